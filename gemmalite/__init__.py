@@ -1,0 +1,16 @@
+"""gemmalite: Gemma 4 E-series (and Gemma 3) text generation on the CPU, from Python, without PyTorch."""
+from .errors import CheckpointError, ConfigError, ContextError, TokenizerError
+from .loader import load
+from .model import Model
+from .tokenizer import Tokenizer
+
+__all__ = ["load", "load_tokenizer", "Model", "Tokenizer", "CheckpointError", "ConfigError", "ContextError",
+           "TokenizerError"]
+__version__ = "0.1.0"
+
+
+def load_tokenizer(path):
+    """A tokenizer from a tokenizer.json, a checkpoint folder, or a GGUF file (vocabulary-only too)."""
+    from .tokenizer import load_tokenizer_any
+
+    return load_tokenizer_any(path)

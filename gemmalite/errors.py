@@ -1,0 +1,17 @@
+"""The errors gemmalite raises on bad input; all are ValueErrors with a message naming the problem."""
+
+
+class ConfigError(ValueError):
+    """The configuration is malformed or describes something this engine does not run."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is malformed: missing file or tensor, wrong shape, unsupported config."""
+
+
+class ContextError(ValueError):
+    """A sequence does not fit in the context the model was loaded with."""
+
+
+class TokenizerError(ValueError):
+    """Text was given but the checkpoint has no tokenizer, or the tokenizer files are broken."""

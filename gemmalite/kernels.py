@@ -1,0 +1,89 @@
+"""Elementwise and attention kernels, float32, written to match transformers' float32 math.
+
+Matrix products live behind `Matrix.matmul`; everything else the decoder needs is here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
+QUERY_BLOCK = 256  # query rows per attention block: bounds the score matrix in long prefills
+SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, offset: float = 0.0) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the last axis (weight None: scale-free)."""
+    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps)
+    y = x * np.power(ms, np.float32(-0.5))
+    if weight is not None:
+        y = y * (weight + np.float32(offset) if offset else weight)
+    return y
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """tanh-approximate GELU (``gelu_pytorch_tanh``)."""
+    inner = SQRT_2_OVER_PI * (x + np.float32(0.044715) * (x * x * x))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+def rope_tables(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin ``[T, D/2]`` with float32 angles, as transformers computes them."""
+    ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on ``x [T, heads, D]``: dim i pairs with i + D/2."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
+    if not cap:
+        return x
+    c = np.float32(cap)
+    return np.tanh(x / c) * c
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    window: int | None,
+    scale: float,
+) -> np.ndarray:
+    """Causal (optionally sliding-window) GQA attention by absolute positions.
+
+    q ``[T, nq, D]``; k, v ``[N, kv, D]``; key ``j`` is visible to query ``i`` iff
+    ``0 <= pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window``. Returns ``[T, nq*D]``.
+    KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
+    """
+    T, nq, D = q.shape
+    kv = k.shape[1]
+    g = nq // kv
+    kt = k.transpose(1, 2, 0)  # [kv, D, N]
+    vt = v.transpose(1, 0, 2)  # [kv, N, D]
+    out = np.empty((T, nq * D), dtype=np.float32)
+    for t0 in range(0, T, QUERY_BLOCK):
+        qb = q[t0 : t0 + QUERY_BLOCK]
+        tb = qb.shape[0]
+        qg = qb.reshape(tb, kv, g, D).transpose(1, 0, 2, 3).reshape(kv, tb * g, D)
+        scores = (qg @ kt).reshape(kv, tb, g, -1)
+        if scale != 1.0:
+            scores *= np.float32(scale)
+        qp = q_pos[t0 : t0 + tb, None]
+        allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= qp)
+        if window is not None:
+            allowed &= k_pos[None, :] > qp - window
+        if not allowed.all():
+            scores = np.where(allowed[None, :, None, :], scores, MASKED)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = scores.reshape(kv, tb * g, -1) @ vt  # [kv, tb*g, D]
+        out[t0 : t0 + tb] = o.reshape(kv, tb, g, D).transpose(1, 0, 2, 3).reshape(tb, nq * D)
+    return out

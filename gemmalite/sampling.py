@@ -1,0 +1,82 @@
+"""Next-token choice from one row of logits.
+
+Order as in transformers' generate: repetition penalty, then temperature, top-k, top-p,
+min-p; temperature 0 (or top_k 1) is greedy argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        p = self.params
+        z = np.asarray(logits, dtype=np.float64).copy()
+        if p.repetition_penalty and p.repetition_penalty != 1.0 and history:
+            seen = np.unique(np.asarray(history, dtype=np.int64))
+            vals = z[seen]
+            z[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.greedy:
+            return int(np.argmax(z))
+        probs = allowed_probs(z / p.temperature, p.top_k, p.top_p, p.min_p)
+        return int(self.rng.choice(len(probs), p=probs))
+
+
+def allowed_probs(z: np.ndarray, top_k: int | None, top_p: float | None, min_p: float | None) -> np.ndarray:
+    """Softmax of ``z`` restricted by top-k, then top-p (nucleus), then min-p; renormalised."""
+    keep = np.ones(z.shape[0], dtype=bool)
+    if top_k:
+        k = min(top_k, z.shape[0])
+        kth = np.partition(z, -k)[-k]
+        keep &= z >= kth
+    probs = _softmax(np.where(keep, z, -np.inf))
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        cut = int(np.searchsorted(cum, top_p) + 1)
+        nucleus = np.zeros_like(keep)
+        nucleus[order[:cut]] = True
+        keep &= nucleus
+        probs = _softmax(np.where(keep, z, -np.inf))
+    if min_p:
+        keep &= probs >= min_p * probs.max()
+        probs = _softmax(np.where(keep, z, -np.inf))
+    return probs
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()

@@ -1,0 +1,157 @@
+"""Tokenizer and chat template.
+
+Tokenization is the `tokenizers` library on the checkpoint's tokenizer.json. The chat
+template is rendered with jinja2 the way transformers renders it (sandboxed environment,
+``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
+does not escape HTML, the special tokens as variables), so the prompt text is identical.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import TokenizerError
+
+# Used when a checkpoint carries no chat template: the Gemma 4 turn format.
+GEMMA4_FALLBACK_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<turn|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class Tokenizer:
+    """Text <-> ids, plus the chat template. ``encode`` adds ``<bos>`` like transformers does."""
+
+    def __init__(self, tk: HFTokenizer, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 add_bos: bool | None = None):
+        self.tk = tk
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        bos = self.special_tokens.get("bos_token")
+        self.bos_id = tk.token_to_id(bos) if bos else None
+        # A tokenizer.json whose post-processor already adds <bos> needs no help.
+        adds_itself = self.bos_id is not None and self.bos_id in tk.encode("a", add_special_tokens=True).ids[:1]
+        self._prepend_bos = bool(add_bos) and not adds_itself and self.bos_id is not None
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tk.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for a conversation (transformers' ``apply_chat_template(tokenize=False)``)."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            self._template = compile_template(self.chat_template or GEMMA4_FALLBACK_TEMPLATE)
+        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     documents=documents, **{**self.special_tokens, **kwargs})
+
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of the rendered conversation (the template writes <bos> itself: none is added)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+    def stream(self) -> "TextStream":
+        return TextStream(self)
+
+
+class TextStream:
+    """Incremental detokenizer: turns a token stream into text pieces, never splitting a
+    UTF-8 character (text ending in U+FFFD waits for the bytes that complete it). Each
+    piece is decoded together with the token before it, so leading spaces come out right."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window that is decoded
+        self.read = 0  # ids before this are already emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        done = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        done = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done) :]
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat template does not compile: {e}") from None
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):  # {"content": "<bos>", ...} in older tokenizer_config files
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint folder, or None when it has no tokenizer.json."""
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return None
+    try:
+        tk = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
+        raise TokenizerError(f"{path}: cannot be read ({e})") from None
+    conf: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").exists():
+        conf = json.loads((folder / "tokenizer_config.json").read_text())
+    template = None
+    if (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "chat_template.json").exists():
+        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    elif isinstance(conf.get("chat_template"), str):
+        template = conf["chat_template"]
+    special = {k: s for k in SPECIAL_KEYS if (s := _token_str(conf.get(k)))}
+    if "bos_token" not in special and tk.token_to_id("<bos>") is not None:
+        special["bos_token"] = "<bos>"
+    if "eos_token" not in special and tk.token_to_id("<eos>") is not None:
+        special["eos_token"] = "<eos>"
+    return Tokenizer(tk, chat_template=template, special_tokens=special, add_bos=conf.get("add_bos_token", True))
