@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import ml_dtypes
 import numpy as np
@@ -180,3 +180,62 @@ def unused(names: Iterable[str], cfg: ModelConfig) -> list[str]:
     """Tensors present but not used by the text decoder (vision/audio towers, stale K/V of shared layers)."""
     want = expected_shapes(cfg)
     return [n for n in names if n not in want]
+
+
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def write_safetensors(folder: Path, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
+                      produce: Callable[[str], Iterable[bytes]], *, shard_bytes: int = 2 << 30,
+                      progress: bool = False, stem: str = "model") -> list[Path]:
+    """Stream tensors into (sharded) safetensors files without holding them in memory.
+
+    ``specs`` gives each tensor's shape and dtype; ``produce(name)`` yields its bytes in chunks.
+    Several shards get the Hugging Face names and a ``.index.json`` weight map.
+    """
+    from tqdm import tqdm
+
+    folder = Path(folder)
+    sizes = {n: int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for n, (s, d) in specs.items()}
+    shards: list[list[str]] = [[]]
+    acc = 0
+    for name in specs:
+        if shards[-1] and acc + sizes[name] > shard_bytes:
+            shards.append([])
+            acc = 0
+        shards[-1].append(name)
+        acc += sizes[name]
+    files = [folder / f"{stem}.safetensors"] if len(shards) == 1 else [
+        folder / f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, disable=not progress, desc="writing")
+    for path, names in zip(files, shards):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for n in names:
+            shape, dtype = specs[n]
+            header[n] = {"dtype": _DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [off, off + sizes[n]]}
+            off += sizes[n]
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for n in names:
+                written = 0
+                for chunk in produce(n):
+                    f.write(chunk)
+                    written += len(chunk)
+                    bar.update(len(chunk))
+                if written != sizes[n]:
+                    raise RuntimeError(f"tensor {n}: produced {written} bytes, expected {sizes[n]}")
+    bar.close()
+    if len(files) > 1:
+        weight_map = {n: f.name for f, names in zip(files, shards) for n in names}
+        (folder / f"{stem}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1))
+    return files
+
+
+def save_arrays(folder: Path, arrays: dict[str, np.ndarray], **kw: Any) -> list[Path]:
+    """Write in-memory (or memory-mapped) arrays with `write_safetensors`."""
+    return write_safetensors(folder, {n: (a.shape, a.dtype) for n, a in arrays.items()},
+                             lambda n: [np.ascontiguousarray(arrays[n]).tobytes()], **kw)

@@ -225,35 +225,48 @@ def dec_q6_k(row, b, dst, do, tab):
                 dst[base + l] = dsl * np.float32(q - 32)
 
 
-_DECODERS = {
-    "Q4_0": dec_q4_0,
-    "Q4_1": dec_q4_1,
-    "Q5_0": dec_q5_0,
-    "Q5_1": dec_q5_1,
-    "Q8_0": dec_q8_0,
-    "Q4_K": dec_q4_k,
-    "Q5_K": dec_q5_k,
-    "Q6_K": dec_q6_k,
-}
+# Kernels take the block type as a small integer and branch per block (a well-predicted
+# branch): passing decoder functions as arguments would defeat numba's on-disk cache.
+_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@njit(inline="always", cache=True)
+def _decode(kind, row, b, dst, do, tab):
+    if kind == 0:
+        dec_q4_0(row, b, dst, do, tab)
+    elif kind == 1:
+        dec_q4_1(row, b, dst, do, tab)
+    elif kind == 2:
+        dec_q5_0(row, b, dst, do, tab)
+    elif kind == 3:
+        dec_q5_1(row, b, dst, do, tab)
+    elif kind == 4:
+        dec_q8_0(row, b, dst, do, tab)
+    elif kind == 5:
+        dec_q4_k(row, b, dst, do, tab)
+    elif kind == 6:
+        dec_q5_k(row, b, dst, do, tab)
+    else:
+        dec_q6_k(row, b, dst, do, tab)
 
 
 # ---------------------------------------------------------------------------------------------
-# Drivers, shared by every block type (the decoder is a compile-time argument).
+# Drivers, shared by every block type.
 # ---------------------------------------------------------------------------------------------
 
 
 @njit(parallel=True, cache=True)
-def _dequant_rows(raw, ids, out, decode, bs, tab):
+def _dequant_rows(raw, ids, out, kind, bs, tab):
     nb = out.shape[1] // bs
     for i in prange(ids.shape[0]):
         row = raw[ids[i]]
         dst = out[i]
         for b in range(nb):
-            decode(row, b, dst, b * bs, tab)
+            _decode(kind, row, b, dst, b * bs, tab)
 
 
 @njit(parallel=True, cache=True)
-def _matvec(raw, x, out, decode, bs, tab):
+def _matvec(raw, x, out, kind, bs, tab):
     """out[t, r] = sum_k w[r, k] * x[t, k] for a few rows of x; parallel over chunks of rows."""
     n_rows = raw.shape[0]
     n_t = x.shape[0]
@@ -266,7 +279,7 @@ def _matvec(raw, x, out, decode, bs, tab):
             acc[:] = 0.0
             row = raw[r]
             for b in range(nb):
-                decode(row, b, buf, 0, tab)
+                _decode(kind, row, b, buf, 0, tab)
                 for t in range(n_t):
                     xt = x[t]
                     at = acc[t]
@@ -317,13 +330,14 @@ class GGMLMatrix(Matrix):
         if raw.size != rows * rb:
             raise ValueError(f"{self.qtype} {self.shape} needs {rows * rb} bytes, got {raw.size}")
         self.raw = raw.reshape(rows, rb)
+        self.raw.flags.writeable = False  # one compiled specialisation (GGUF memmaps are read-only)
         self.block_size = block_info(self.qtype)[0]
         if self.qtype in FLOAT_TYPES:
             self._w = _float_rows(self.raw, self.qtype, cols)
-            self._decode = None
+            self._kind = -1
         else:
             self._w = None
-            self._decode = _DECODERS[self.qtype]
+            self._kind = _KINDS.index(self.qtype)
 
     def __repr__(self) -> str:
         return f"GGMLMatrix({self.qtype}, {self.shape})"
@@ -340,7 +354,7 @@ class GGMLMatrix(Matrix):
             return _to_f32(self._w[ids])
         out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
         if ids.size:
-            _dequant_rows(self.raw, ids, out, self._decode, self.block_size, _F16)
+            _dequant_rows(self.raw, ids, out, self._kind, self.block_size, _F16)
         return out
 
     def _slab(self, r0: int, r1: int) -> np.ndarray:
@@ -357,9 +371,9 @@ class GGMLMatrix(Matrix):
         n_t = x2.shape[0]
         if self.qtype == "F32":
             out = x2 @ self._w.T
-        elif self._decode is not None and 0 < n_t <= DECODE_MAX_T:
+        elif self._kind >= 0 and 0 < n_t <= DECODE_MAX_T:
             out = np.empty((n_t, self.shape[0]), dtype=np.float32)
-            _matvec(self.raw, x2, out, self._decode, self.block_size, _F16)
+            _matvec(self.raw, x2, out, self._kind, self.block_size, _F16)
         else:
             out = np.empty((n_t, self.shape[0]), dtype=np.float32)
             step = max(64, SLAB_BYTES // (4 * self.shape[1]))

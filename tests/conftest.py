@@ -1,0 +1,29 @@
+"""Shared fixtures: the engine module and small helpers for the transformers-parity tests."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import hf_oracle`
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def gl():
+    """The gemmalite package (skips the engine tests only while the engine is not written yet)."""
+    import gemmalite
+
+    if not hasattr(gemmalite, "load"):
+        pytest.skip("gemmalite.load does not exist yet")
+    return gemmalite
+
+
+def random_ids(n: int, vocab: int, seed: int = 0, low: int = 5) -> list[int]:
+    """``n`` random token ids in ``[low, vocab)`` (no pad/eos/bos/unk/mask)."""
+    return [int(i) for i in np.random.RandomState(seed).randint(low, vocab, size=n)]
