@@ -4,8 +4,8 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
 
 * ``rows(ids)``  decodes just those rows (embedding lookups into a 262k-row table).
 * ``matmul(x)``  for a few tokens (decode, ``T <= DECODE_MAX_T``) runs a numba kernel that
-  decodes each block into a per-thread scratch buffer and accumulates ``w * x`` in float32,
-  parallel over output rows: the weights cross the memory bus once, still compressed.
+  decodes one row at a time into a per-thread buffer and dots it with each ``x`` row in
+  float32, parallel over output rows: the weights cross the memory bus once, still compressed.
   For longer inputs (prefill) it decodes ``ROW_BLOCK``-sized slabs of rows to float32 and lets
   BLAS multiply them, so the float32 copy never exceeds one slab.
 
@@ -14,9 +14,9 @@ Numerics: every decoder reproduces the float32 operations of the reference dequa
 ``(d*sc)*q - (dmin*m)``. Products then use exactly those weights and float32 ``x``; there is
 no activation quantization (llama.cpp quantizes ``x`` to Q8 for its dot products, we do not),
 so the result equals float32 math on the dequantized matrix up to summation order.
-Kernels are compiled with ``fastmath=False``: no FMA contraction and no reassociation, so the
-decoded weights are exact; the dot products are vectorised through explicit 32-lane
-accumulators instead of relying on reassociation.
+Decoders are compiled with ``fastmath=False`` (no FMA contraction, no reassociation), so the
+decoded weights are exact; only the float32 dot product (`_dot`) allows reassociation, which
+lets LLVM vectorise the sum.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from numba import njit, prange
 from .matrix import BF16, Matrix
 
 QK_K = 256
-LANES = 32  # float32 accumulators per dot product (4 AVX2 registers)
 DECODE_MAX_T = 4  # inputs with at most this many rows use the fused decode kernel
 SLAB_BYTES = 4 << 20  # float32 bytes per dequantized slab in the prefill path
 ROW_CHUNK = 16  # output rows per parallel work item in the decode kernel
@@ -255,6 +254,17 @@ def _decode(kind, row, b, dst, do, tab):
 # ---------------------------------------------------------------------------------------------
 
 
+@njit(cache=True, fastmath={"reassoc"})
+def _dot(a, b):
+    """float32 dot product. Only reassociation is allowed (no FMA contraction, no other
+    fast-math): it lets LLVM keep vector partial sums, i.e. float32 accumulation in a
+    different order, while the decoded weights stay exact (they are computed elsewhere)."""
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
 @njit(parallel=True, cache=True)
 def _dequant_rows(raw, ids, out, kind, bs, tab):
     nb = out.shape[1] // bs
@@ -267,31 +277,20 @@ def _dequant_rows(raw, ids, out, kind, bs, tab):
 
 @njit(parallel=True, cache=True)
 def _matvec(raw, x, out, kind, bs, tab):
-    """out[t, r] = sum_k w[r, k] * x[t, k] for a few rows of x; parallel over chunks of rows."""
+    """out[t, r] = w[r] . x[t] for a few rows of x: each row is decoded once into a per-thread
+    buffer (L1/L2 resident) and dotted with every x row; parallel over chunks of rows."""
     n_rows = raw.shape[0]
-    n_t = x.shape[0]
-    nb = x.shape[1] // bs
+    n_t, cols = x.shape
+    nb = cols // bs
     n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
     for c in prange(n_chunks):
-        buf = np.empty(bs, np.float32)
-        acc = np.empty((n_t, LANES), np.float32)
+        buf = np.empty(cols, np.float32)
         for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
-            acc[:] = 0.0
             row = raw[r]
             for b in range(nb):
-                _decode(kind, row, b, buf, 0, tab)
-                for t in range(n_t):
-                    xt = x[t]
-                    at = acc[t]
-                    for i0 in range(0, bs, LANES):
-                        k0 = b * bs + i0
-                        for l in range(LANES):
-                            at[l] += buf[i0 + l] * xt[k0 + l]
+                _decode(kind, row, b, buf, b * bs, tab)
             for t in range(n_t):
-                s = np.float32(0.0)
-                for l in range(LANES):
-                    s += acc[t, l]
-                out[t, r] = s
+                out[t, r] = _dot(buf, x[t])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
 ROW_BLOCK = 4096  # rows converted per block when a half-precision table is multiplied
+SMALL_T = 8  # up to this many rows of x, bfloat16 products run in the numba kernel (no conversion pass)
 
 
 class Matrix:
@@ -85,8 +86,13 @@ class HalfMatrix(Matrix):
         return self.w[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        if self.w.dtype == BF16 and x.shape[0] <= SMALL_T:
+            from .kernels_numba import bf16_matmul_small
+
+            bf16_matmul_small(x, self.w.view(np.uint16), out)
+            return out
         for r0 in range(0, self.shape[0], ROW_BLOCK):
             blk = self.w[r0 : r0 + ROW_BLOCK].astype(np.float32)
             out[:, r0 : r0 + blk.shape[0]] = x @ blk.T

@@ -123,10 +123,12 @@ def _i8_quantize(w, q, scale):
 def _i8_mv1(q, scale, x, out):
     """out[0, r] = scale[r] * sum_k q[r, k] * x[0, k]."""
     n, k = q.shape
+    x0 = x[0]
     for r in prange(n):
+        qr = q[r]
         acc = np.float32(0.0)
         for j in range(k):
-            acc += np.float32(q[r, j]) * x[0, j]
+            acc += np.float32(qr[j]) * x0[j]
         out[0, r] = acc * scale[r]
 
 
@@ -141,15 +143,19 @@ def _i8_mvt(q, scale, x, out):
         buf = np.empty(_CHUNK, dtype=np.float32)
         acc = np.empty(t, dtype=np.float32)
         for r in range(b * per, min(n, (b + 1) * per)):
-            acc[:] = 0
+            qr = q[r]
+            for i in range(t):
+                acc[i] = 0
             for c0 in range(0, k, _CHUNK):
                 m = min(_CHUNK, k - c0)
+                qc = qr[c0 : c0 + m]
                 for j in range(m):
-                    buf[j] = np.float32(q[r, c0 + j])
+                    buf[j] = np.float32(qc[j])
                 for i in range(t):
+                    xc = x[i, c0 : c0 + m]
                     s = np.float32(0.0)
                     for j in range(m):
-                        s += buf[j] * x[i, c0 + j]
+                        s += buf[j] * xc[j]
                     acc[i] += s
             s_r = scale[r]
             for i in range(t):
@@ -161,8 +167,10 @@ def _i8_dequant_range(q, scale, r0, out):
     m, k = out.shape
     for i in prange(m):
         s = scale[r0 + i]
+        qr = q[r0 + i]
+        o = out[i]
         for j in range(k):
-            out[i, j] = np.float32(q[r0 + i, j]) * s
+            o[j] = np.float32(qr[j]) * s
 
 
 @njit(parallel=True, **_JIT)
@@ -171,8 +179,10 @@ def _i8_dequant_ids(q, scale, ids, out):
     for i in prange(m):
         r = ids[i]
         s = scale[r]
+        qr = q[r]
+        o = out[i]
         for j in range(k):
-            out[i, j] = np.float32(q[r, j]) * s
+            o[j] = np.float32(qr[j]) * s
 
 
 # --------------------------------------------------------------------------- int4 kernels
@@ -288,16 +298,22 @@ def _i4_mv1(packed, scales, mins, x, xs, group, out):
     n = packed.shape[0]
     ng = scales.shape[1]
     h = group // 2
+    x0 = x[0]
+    xs0 = xs[0]
     for r in prange(n):
+        pr = packed[r]
+        sr = scales[r]
+        mr = mins[r]
         acc = np.float32(0.0)
         for g in range(ng):
-            pb = g * h
-            xb = g * group
+            p = pr[g * h : g * h + h]
+            xa = x0[g * group : g * group + h]
+            xb = x0[g * group + h : g * group + group]
             s = np.float32(0.0)
             for j in range(h):
-                b = np.int32(packed[r, pb + j])
-                s += np.float32(b & 15) * x[0, xb + j] + np.float32(b >> 4) * x[0, xb + h + j]
-            acc += _h2f(scales[r, g]) * s + _h2f(mins[r, g]) * xs[0, g]
+                b = p[j]
+                s += np.float32(b & np.uint8(15)) * xa[j] + np.float32(b >> np.uint8(4)) * xb[j]
+            acc += _h2f(sr[g]) * s + _h2f(mr[g]) * xs0[g]
         out[0, r] = acc
 
 
@@ -315,40 +331,44 @@ def _i4_mvt(packed, scales, mins, x, group, out):
         buf = np.empty(chunk, dtype=np.float32)
         acc = np.empty(t, dtype=np.float32)
         for r in range(bb * per, min(n, (bb + 1) * per)):
-            acc[:] = 0
+            pr = packed[r]
+            sr = scales[r]
+            mr = mins[r]
+            for i in range(t):
+                acc[i] = 0
             for c0 in range(0, k, chunk):
                 m = min(chunk, k - c0)
                 for g in range(m // group):
                     gg = c0 // group + g
-                    d = _h2f(scales[r, gg])
-                    mn = _h2f(mins[r, gg])
-                    pb = gg * h
-                    ob = g * group
-                    for j in range(h):
-                        b = np.int32(packed[r, pb + j])
-                        buf[ob + j] = np.float32(b & 15) * d + mn
-                        buf[ob + h + j] = np.float32(b >> 4) * d + mn
+                    _i4_dequant_group(pr[gg * h : gg * h + h], _h2f(sr[gg]), _h2f(mr[gg]),
+                                      buf[g * group : g * group + h], buf[g * group + h : g * group + group])
                 for i in range(t):
+                    xc = x[i, c0 : c0 + m]
                     s = np.float32(0.0)
                     for j in range(m):
-                        s += buf[j] * x[i, c0 + j]
+                        s += buf[j] * xc[j]
                     acc[i] += s
             for i in range(t):
                 out[i, r] = acc[i]
 
 
+@njit(inline="always", **_JIT)
+def _i4_dequant_group(p, d, mn, oa, ob):
+    for j in range(p.shape[0]):
+        b = p[j]
+        oa[j] = np.float32(b & np.uint8(15)) * d + mn
+        ob[j] = np.float32(b >> np.uint8(4)) * d + mn
+
+
 @njit(**_JIT)
 def _i4_dequant_row(packed, scales, mins, r, group, o):
     h = group // 2
-    for g in range(scales.shape[1]):
-        d = _h2f(scales[r, g])
-        mn = _h2f(mins[r, g])
-        pb = g * h
-        ob = g * group
-        for j in range(h):
-            b = np.int32(packed[r, pb + j])
-            o[ob + j] = np.float32(b & 15) * d + mn
-            o[ob + h + j] = np.float32(b >> 4) * d + mn
+    pr = packed[r]
+    sr = scales[r]
+    mr = mins[r]
+    for g in range(sr.shape[0]):
+        _i4_dequant_group(pr[g * h : g * h + h], _h2f(sr[g]), _h2f(mr[g]),
+                          o[g * group : g * group + h], o[g * group + h : g * group + group])
 
 
 @njit(parallel=True, **_JIT)
