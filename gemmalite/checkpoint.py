@@ -107,7 +107,12 @@ def load_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray],
     tensors: dict[str, np.ndarray] = {}
     for f in safetensors_files(folder):
         tensors.update(read_safetensors(f))
-    return cfg, strip_prefix(tensors), raw
+    tensors = strip_prefix(tensors)
+    if isinstance(raw.get("quantization_config"), dict):  # written by `gemmalite convert`
+        from .convert import assemble
+
+        tensors = assemble(tensors, raw["quantization_config"])
+    return cfg, tensors, raw
 
 
 def strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -40,16 +40,17 @@ def cmd_run(a: argparse.Namespace) -> int:
     model = _load(a)
     kw = _gen_kwargs(a)
     use_chat = not a.raw and model.tokenizer.chat_template is not None
-    t0, n = time.perf_counter(), 0
+    t0 = time.perf_counter()
     pieces = model.chat([{"role": "user", "content": a.prompt}], stream=True, **kw) if use_chat else \
         model.generate(a.prompt, stream=True, **kw)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
-        n += 1
     sys.stdout.write("\n")
     if a.verbose:
-        print(f"[{n} pieces in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+        st = model.stats
+        print(f"[{st['prompt_tokens']} prompt tokens: {st['prefill_s']:.2f} s; {st['new_tokens']} new tokens: "
+              f"{st['decode_s']:.2f} s; total {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return 0
 
 

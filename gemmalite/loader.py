@@ -128,9 +128,10 @@ def build_model(cfg: ModelConfig, tensors: dict[str, Any], tokenizer: Tokenizer 
     graph = DecoderGraph(cfg, layers, norm("norm.weight"), ple)
 
     embed = table(tensors["embed_tokens.weight"])
-    if cfg.tie_word_embeddings:
+    head = tensors.get("lm_head.weight")  # untied, or the quantized copy of a converted checkpoint
+    if head is None:
         lm_head = embed if quant is None else mat(tensors["embed_tokens.weight"])
     else:
-        lm_head = table(tensors["lm_head.weight"]) if quant is None else mat(tensors["lm_head.weight"])
+        lm_head = table(head) if quant is None else mat(head)
     return Model(cfg, graph, embed, lm_head, ple_table, tokenizer, resolve_context(context, cfg),
                  GenerationDefaults.from_generation_config(generation_config, cfg), source)

@@ -6,6 +6,7 @@ so that `chat` reuses the cached prefix of the conversation instead of recomputi
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -61,6 +62,7 @@ class Model:
         self.defaults = defaults
         self.source = source
         self._chat_state: KVState | None = None
+        self.stats: dict[str, float] = {}  # of the last generation: prompt/cached/new tokens, seconds
 
     # -- host pieces -------------------------------------------------------------------
     @property
@@ -150,19 +152,26 @@ class Model:
     def _decode_loop(self, state, arr, reuse, max_new_tokens, params, stop_ids) -> Iterator[int]:
         sampler = Sampler(params)
         history = arr.tolist()
+        stats = self.stats = {"prompt_tokens": len(arr), "cached_tokens": reuse, "new_tokens": 0,
+                              "prefill_s": 0.0, "decode_s": 0.0}
         if max_new_tokens == 0:
             return
+        t0 = time.perf_counter()
         new = arr[reuse:]
         h = self._forward(state, new, keep=np.array([len(new) - 1]))
+        stats["prefill_s"] = time.perf_counter() - t0
         for step in range(max_new_tokens):
             tok = sampler(self._logits(h)[0], history)
             if tok in stop_ids:
                 return
+            stats["new_tokens"] += 1
             yield tok
             history.append(tok)
             if step + 1 == max_new_tokens or state.length >= self.context:
                 return
+            t0 = time.perf_counter()
             h = self._forward(state, np.array([tok]))
+            stats["decode_s"] += time.perf_counter() - t0
 
     def _stop_sets(self, stop, chat: bool) -> tuple[set[int], list[str]]:
         ids = set(self.defaults.stop_ids)

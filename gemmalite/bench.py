@@ -1,0 +1,142 @@
+"""`gemmalite bench`: load time, prefill and decode speed, peak memory, bytes read per token.
+
+Figures are medians over ``--runs`` after a warm-up run. Decode is bound by the weight
+bytes read per token, so the implied read bandwidth (bytes/token × tokens/s) says how
+close a run is to the machine's limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every layer matrix, the PLE projection, the LM head."""
+    g = model.graph
+    total = model.lm_head.nbytes
+    if g.ple is not None:
+        total += g.ple.projection.nbytes
+    for w in g.layers:
+        for m in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, w.ple_gate, w.ple_proj):
+            if m is not None:
+                total += m.nbytes
+    return total
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_once(model, prompt_ids, new_tokens: int) -> tuple[float, float]:
+    """Seconds for the prefill (logits of the last position) and for ``new_tokens`` greedy decode steps."""
+    import numpy as np
+
+    state = model.new_state()
+    t0 = time.perf_counter()
+    h = model._forward(state, np.asarray(prompt_ids), keep=np.array([len(prompt_ids) - 1]))
+    tok = int(np.argmax(model._logits(h)[0]))
+    t1 = time.perf_counter()
+    for _ in range(new_tokens):
+        h = model._forward(state, np.array([tok]))
+        tok = int(np.argmax(model._logits(h)[0]))
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: int = 3, quant: str | None = None,
+          context: int | None = None, progress: bool = True, seed: int = 0) -> dict[str, Any]:
+    import numpy as np
+    from tqdm import tqdm
+
+    import gemmalite
+
+    t0 = time.perf_counter()
+    model = gemmalite.load(path, context=context or max(prompt_tokens + new_tokens + 1, 256), quant=quant)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    prompt = [model.config.bos_token_id or 2, *rng.integers(1000 if vocab > 2000 else 0, vocab, prompt_tokens - 1).tolist()]
+    pre, dec = [], []
+    bar = tqdm(total=runs + 1, desc="bench", disable=not progress, file=sys.stderr)
+    run_once(model, prompt[:16], 4)  # warm-up: compile/load kernels, touch pages
+    bar.update(1)
+    for _ in range(runs):
+        p, d = run_once(model, prompt, new_tokens)
+        pre.append(p)
+        dec.append(d)
+        bar.update(1)
+    bar.close()
+    wb = weight_bytes_per_token(model)
+    decode_tok_s = new_tokens / statistics.median(dec)
+    return {
+        "model": str(path),
+        "quant": quant,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "runs": runs,
+        "threads": _threads(),
+        "load_s": round(load_s, 3),
+        "prefill_tok_s": round(prompt_tokens / statistics.median(pre), 2),
+        "decode_tok_s": round(decode_tok_s, 2),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "weight_bytes_per_token": wb,
+        "implied_read_gb_s": round(wb * decode_tok_s / 1e9, 2),
+    }
+
+
+def _threads() -> int:
+    try:
+        import numba
+
+        return numba.get_num_threads()
+    except ImportError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+def format_table(r: dict[str, Any]) -> str:
+    rows = [
+        ("model", r["model"]), ("quant", r["quant"] or "none (stored precision)"), ("threads", r["threads"]),
+        ("load", f"{r['load_s']:.2f} s"),
+        (f"prefill ({r['prompt_tokens']} tokens)", f"{r['prefill_tok_s']:.1f} tok/s"),
+        (f"decode ({r['new_tokens']} tokens)", f"{r['decode_tok_s']:.2f} tok/s"),
+        ("peak RSS", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB"),
+        ("weights read / token", f"{r['weight_bytes_per_token'] / 1e9:.3f} GB"),
+        ("implied read bandwidth", f"{r['implied_read_gb_s']:.1f} GB/s"),
+    ]
+    return "\n".join(f"{k:28s} {v}" for k, v in rows) + f"\n(medians of {r['runs']} runs after a warm-up)"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory")
+    p.add_argument("model")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--quant", choices=["int8", "int4"], default=None)
+    p.add_argument("--context", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(a: argparse.Namespace) -> int:
+    if a.threads:
+        import numba
+
+        numba.set_num_threads(a.threads)
+        try:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(a.threads)
+        except ImportError:
+            pass
+    r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
+              context=a.context, progress=not a.json)
+    print(json.dumps(r) if a.json else format_table(r))
+    return 0
