@@ -29,6 +29,14 @@ where the group sums of ``x`` are computed once per call. The scale and min are 
 group by a weighted least-squares search (llama.cpp ``make_qkx2_quants`` style), which may clip
 a few outliers when that lowers the weighted error; the stored values are then used to
 re-round, so dequantization error is at most ``scale/2`` for every weight inside the grid.
+
+Kernels: ``matmul`` with ``T <= DECODE_MAX_T`` runs fused numba kernels (``prange`` over output
+rows, weights read once for all T columns, float32 accumulation); larger T dequantizes row
+blocks into one reused float32 buffer and multiplies with BLAS. All kernels are cached on disk.
+On this 2-core machine int8 decode runs at memory bandwidth; int4 decode is bound by the nibble
+unpacking (~8 G weights/s per core), so it is about as fast as int8 per matrix while reading
+~half the bytes. Thread pools: numba's OpenMP workers and OpenBLAS's workers each spin after a
+call; the engine should keep them from overlapping (e.g. ``OPENBLAS_THREAD_TIMEOUT=4``).
 """
 from __future__ import annotations
 
@@ -43,8 +51,7 @@ __all__ = ["Int8Matrix", "Int4Matrix", "matrix_from_tensors", "DECODE_MAX_T"]
 
 DECODE_MAX_T = 4        # matmul with T <= this uses the fused numba kernels, else dequant + BLAS
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
-_PREFILL_ELEMS = 1 << 19  # target elements (2 MiB of float32) per dequantized prefill block
-_CHUNK = 1024           # input columns dequantized at a time by the multi-column decode kernels
+_PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per dequantized prefill block
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 _FAST = dict(_JIT, fastmath=True)
@@ -85,7 +92,7 @@ def _scratch_buffer(n: int) -> np.ndarray:
 
 def _prefill_rows(cols: int) -> int:
     b = _PREFILL_ELEMS // max(cols, 1)
-    return int(min(1024, max(128, b - b % 64)))
+    return int(min(1024, max(256, b - b % 64)))
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -133,39 +140,39 @@ def _i8_mv1(q, scale, x, out):
 
 
 @njit(parallel=True, **_FAST)
-def _i8_mvt(q, scale, x, out):
-    """Several columns: each chunk of a row is widened once into an L1 buffer, then T dots."""
+def _i8_mv4(q, scale, x, out):
+    """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
     n, k = q.shape
     t = x.shape[0]
-    nthr = 8
-    per = (n + nthr - 1) // nthr
-    for b in prange(nthr):
-        buf = np.empty(_CHUNK, dtype=np.float32)
-        acc = np.empty(t, dtype=np.float32)
-        for r in range(b * per, min(n, (b + 1) * per)):
-            qr = q[r]
-            for i in range(t):
-                acc[i] = 0
-            for c0 in range(0, k, _CHUNK):
-                m = min(_CHUNK, k - c0)
-                qc = qr[c0 : c0 + m]
-                for j in range(m):
-                    buf[j] = np.float32(qc[j])
-                for i in range(t):
-                    xc = x[i, c0 : c0 + m]
-                    s = np.float32(0.0)
-                    for j in range(m):
-                        s += buf[j] * xc[j]
-                    acc[i] += s
-            s_r = scale[r]
-            for i in range(t):
-                out[i, r] = acc[i] * s_r
+    x0 = x[0]
+    x1 = x[min(1, t - 1)]
+    x2 = x[min(2, t - 1)]
+    x3 = x[min(3, t - 1)]
+    for r in prange(n):
+        qr = q[r]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for j in range(k):
+            w = np.float32(qr[j])
+            a0 += w * x0[j]
+            a1 += w * x1[j]
+            a2 += w * x2[j]
+            a3 += w * x3[j]
+        s = scale[r]
+        out[0, r] = a0 * s
+        out[1, r] = a1 * s
+        if t > 2:
+            out[2, r] = a2 * s
+        if t > 3:
+            out[3, r] = a3 * s
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _i8_dequant_range(q, scale, r0, out):
     m, k = out.shape
-    for i in prange(m):
+    for i in range(m):
         s = scale[r0 + i]
         qr = q[r0 + i]
         o = out[i]
@@ -173,10 +180,10 @@ def _i8_dequant_range(q, scale, r0, out):
             o[j] = np.float32(qr[j]) * s
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _i8_dequant_ids(q, scale, ids, out):
     m, k = out.shape
-    for i in prange(m):
+    for i in range(m):
         r = ids[i]
         s = scale[r]
         qr = q[r]
@@ -188,7 +195,7 @@ def _i8_dequant_ids(q, scale, ids, out):
 # --------------------------------------------------------------------------- int4 kernels
 
 
-@njit(**_JIT)
+@njit(**_FAST)
 def _fit_group(v, wt, nq):
     """Weighted least-squares (scale, min) for one group, v ~ d * n + m, n in 0..15."""
     lo = v.min()
@@ -204,8 +211,9 @@ def _fit_group(v, wt, nq):
     best_d = (hi - lo) / np.float32(15.0)
     best_m = lo
     best_e = np.float32(0.0)
+    inv = np.float32(1.0) / best_d
     for i in range(g):
-        n = min(max(np.rint((v[i] - lo) / best_d), 0.0), 15.0)
+        n = min(max(np.rint((v[i] - lo) * inv), np.float32(0.0)), np.float32(15.0))
         e = best_d * n + lo - v[i]
         best_e += wt[i] * e * e
     for step in range(21):
@@ -214,7 +222,7 @@ def _fit_group(v, wt, nq):
         swl2 = np.float32(0.0)
         swxl = np.float32(0.0)
         for i in range(g):
-            n = min(max(np.rint(iscale * (v[i] - lo)), 0.0), 15.0)
+            n = min(max(np.rint(iscale * (v[i] - lo)), np.float32(0.0)), np.float32(15.0))
             nq[i] = n
             swl += wt[i] * n
             swl2 += wt[i] * n * n
@@ -237,7 +245,7 @@ def _fit_group(v, wt, nq):
     return best_d, best_m
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **_FAST)
 def _i4_quantize(w, group, search, scales_f, mins_f):
     """w float32 [n, k] -> fitted float32 scale and min per group (rounded to float16 later)."""
     n, k = w.shape
@@ -292,6 +300,14 @@ def _group_sums(x, group, xs):
             xs[i, g] = s
 
 
+@njit(inline="always", **_FAST)
+def _nibbles(byte):
+    """(low, high) nibble of a uint8 as float32, computed in float (no int64 promotion)."""
+    f = np.float32(byte)
+    hi = np.floor(f * np.float32(0.0625))
+    return f - np.float32(16.0) * hi, hi
+
+
 @njit(parallel=True, **_FAST)
 def _i4_mv1(packed, scales, mins, x, xs, group, out):
     """out[0, r] = sum_g d_g * sum_j n_j x_j + m_g * sum_g(x)."""
@@ -311,53 +327,75 @@ def _i4_mv1(packed, scales, mins, x, xs, group, out):
             xb = x0[g * group + h : g * group + group]
             s = np.float32(0.0)
             for j in range(h):
-                b = p[j]
-                s += np.float32(b & np.uint8(15)) * xa[j] + np.float32(b >> np.uint8(4)) * xb[j]
+                lo, hi = _nibbles(p[j])
+                s += lo * xa[j] + hi * xb[j]
             acc += _h2f(sr[g]) * s + _h2f(mr[g]) * xs0[g]
         out[0, r] = acc
 
 
 @njit(parallel=True, **_FAST)
-def _i4_mvt(packed, scales, mins, x, group, out):
-    """Several columns: dequantize a chunk of the row into an L1 buffer once, then T dots."""
+def _i4_mv4(packed, scales, mins, x, xs, group, out):
+    """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
     n = packed.shape[0]
-    k = x.shape[1]
-    t = x.shape[0]
+    ng = scales.shape[1]
     h = group // 2
-    chunk = (_CHUNK // group) * group
-    nthr = 8
-    per = (n + nthr - 1) // nthr
-    for bb in prange(nthr):
-        buf = np.empty(chunk, dtype=np.float32)
-        acc = np.empty(t, dtype=np.float32)
-        for r in range(bb * per, min(n, (bb + 1) * per)):
-            pr = packed[r]
-            sr = scales[r]
-            mr = mins[r]
-            for i in range(t):
-                acc[i] = 0
-            for c0 in range(0, k, chunk):
-                m = min(chunk, k - c0)
-                for g in range(m // group):
-                    gg = c0 // group + g
-                    _i4_dequant_group(pr[gg * h : gg * h + h], _h2f(sr[gg]), _h2f(mr[gg]),
-                                      buf[g * group : g * group + h], buf[g * group + h : g * group + group])
-                for i in range(t):
-                    xc = x[i, c0 : c0 + m]
-                    s = np.float32(0.0)
-                    for j in range(m):
-                        s += buf[j] * xc[j]
-                    acc[i] += s
-            for i in range(t):
-                out[i, r] = acc[i]
+    t = x.shape[0]
+    i1 = min(1, t - 1)
+    i2 = min(2, t - 1)
+    i3 = min(3, t - 1)
+    x0 = x[0]
+    x1 = x[i1]
+    x2 = x[i2]
+    x3 = x[i3]
+    for r in prange(n):
+        pr = packed[r]
+        sr = scales[r]
+        mr = mins[r]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for g in range(ng):
+            p = pr[g * h : g * h + h]
+            o = g * group
+            y0a = x0[o : o + h]
+            y0b = x0[o + h : o + group]
+            y1a = x1[o : o + h]
+            y1b = x1[o + h : o + group]
+            y2a = x2[o : o + h]
+            y2b = x2[o + h : o + group]
+            y3a = x3[o : o + h]
+            y3b = x3[o + h : o + group]
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for j in range(h):
+                lo, hi = _nibbles(p[j])
+                s0 += lo * y0a[j] + hi * y0b[j]
+                s1 += lo * y1a[j] + hi * y1b[j]
+                s2 += lo * y2a[j] + hi * y2b[j]
+                s3 += lo * y3a[j] + hi * y3b[j]
+            d = _h2f(sr[g])
+            m = _h2f(mr[g])
+            a0 += d * s0 + m * xs[0, g]
+            a1 += d * s1 + m * xs[i1, g]
+            a2 += d * s2 + m * xs[i2, g]
+            a3 += d * s3 + m * xs[i3, g]
+        out[0, r] = a0
+        out[1, r] = a1
+        if t > 2:
+            out[2, r] = a2
+        if t > 3:
+            out[3, r] = a3
 
 
 @njit(inline="always", **_JIT)
 def _i4_dequant_group(p, d, mn, oa, ob):
     for j in range(p.shape[0]):
-        b = p[j]
-        oa[j] = np.float32(b & np.uint8(15)) * d + mn
-        ob[j] = np.float32(b >> np.uint8(4)) * d + mn
+        lo, hi = _nibbles(p[j])
+        oa[j] = lo * d + mn
+        ob[j] = hi * d + mn
 
 
 @njit(**_JIT)
@@ -371,15 +409,15 @@ def _i4_dequant_row(packed, scales, mins, r, group, o):
                           o[g * group : g * group + h], o[g * group + h : g * group + group])
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _i4_dequant_range(packed, scales, mins, r0, group, out):
-    for i in prange(out.shape[0]):
+    for i in range(out.shape[0]):
         _i4_dequant_row(packed, scales, mins, r0 + i, group, out[i])
 
 
-@njit(parallel=True, **_JIT)
+@njit(**_JIT)
 def _i4_dequant_ids(packed, scales, mins, ids, group, out):
-    for i in prange(out.shape[0]):
+    for i in range(out.shape[0]):
         _i4_dequant_row(packed, scales, mins, ids[i], group, out[i])
 
 
@@ -391,7 +429,12 @@ class _Quantized(Matrix):
         raise NotImplementedError
 
     def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
-        """Prefill: dequantize blocks of rows into a reused buffer, multiply with BLAS."""
+        """Prefill: dequantize blocks of rows into a reused buffer, multiply with BLAS.
+
+        The dequantization runs on the calling thread only (serial numba kernel): with a
+        parallel one, numba's OpenMP workers and OpenBLAS's spinning workers would alternate
+        block by block and oversubscribe the two cores. BLAS uses all cores for the product.
+        """
         n, k = self.shape
         out = np.empty((x.shape[0], n), dtype=np.float32)
         b = _prefill_rows(k)
@@ -462,7 +505,7 @@ class Int8Matrix(_Quantized):
         if t == 1:
             _i8_mv1(self.q, self.scale, x, out)
         elif t > 1:
-            _i8_mvt(self.q, self.scale, x, out)
+            _i8_mv4(self.q, self.scale, x, out)
         return out
 
     def __repr__(self):
@@ -562,12 +605,14 @@ class Int4Matrix(_Quantized):
         if t > DECODE_MAX_T:
             return self._matmul_blocked(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
+        if t == 0:
+            return out
+        xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
+        _group_sums(x, self.group, xs)
         if t == 1:
-            xs = np.empty((1, self.shape[1] // self.group), dtype=np.float32)
-            _group_sums(x, self.group, xs)
             _i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out)
-        elif t > 1:
-            _i4_mvt(self.packed, self._s16, self._m16, x, self.group, out)
+        else:
+            _i4_mv4(self.packed, self._s16, self._m16, x, xs, self.group, out)
         return out
 
     def __repr__(self):
