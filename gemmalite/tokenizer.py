@@ -90,6 +90,8 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
+        if _is_byte_token(self.tok.tk.id_to_token(token)):
+            return ""  # a run of byte tokens decodes as a whole (invalid runs become U+FFFD each)
         done = self.tok.decode(self.ids[self.prefix : self.read])
         text = self.tok.decode(self.ids[self.prefix :])
         if len(text) <= len(done) or text.endswith("\ufffd"):
@@ -103,6 +105,11 @@ class TextStream:
         text = self.tok.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return text[len(done) :]
+
+
+def _is_byte_token(piece: str | None) -> bool:
+    """SentencePiece-style byte fallback pieces look like ``<0xAB>``."""
+    return piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
 
 def compile_template(source: str) -> jinja2.Template:

@@ -6,9 +6,10 @@ hidden states. Also writes a tiny Gemma-style ``tokenizer.json`` (+ chat templat
 gemmalite and transformers' ``AutoTokenizer`` can load.
 
 Every weight of the text model is randomised, including every RMSNorm scale (uniform in
-[0.5, 1.5], the sandwich post-norms in [1, 3], so a ``(1 + w)`` formula is far off) and the ``layer_scalar`` buffers (uniform
-in [0.5, 1.5]); non-persistent buffers (RoPE inverse frequencies, embedding scales) are left
-alone. torch is only needed by the tests, never by gemmalite.
+[0.5, 1.5]; the sandwich post-norms in [1, 3], q/k norms in [0.25, 0.75]; so a ``(1 + w)``
+formula is far off) and the ``layer_scalar`` buffers (uniform in [0.5, 1.5]); non-persistent
+buffers (RoPE inverse frequencies, embedding scales) are left alone. torch is only needed by
+the tests, never by gemmalite.
 """
 from __future__ import annotations
 
@@ -103,11 +104,17 @@ def randomize_text_weights(model, seed: int = 0, *, embed_std: float = 0.2) -> N
             t.copy_(0.5 + torch.rand(t.shape, generator=g))
         elif t.ndim == 1 and ".post_" in name:  # sandwich post-norms: larger, so that the layers
             t.copy_(1.0 + 2.0 * torch.rand(t.shape, generator=g))  # (not the embedding) drive the output
+        elif t.ndim == 1 and (".q_norm." in name or ".k_norm." in name):  # smaller: softer attention,
+            t.copy_(0.25 + 0.5 * torch.rand(t.shape, generator=g))  # less float32 error amplification
         elif t.ndim == 1:  # every other RMSNorm scale in the text model
             t.copy_(0.5 + torch.rand(t.shape, generator=g))
         elif name.endswith("embed_tokens.weight") or name.endswith("embed_tokens_per_layer.weight") \
                 or name == "lm_head.weight":
             t.copy_(torch.randn(t.shape, generator=g) * embed_std)
+        elif name.endswith("per_layer_input_gate.weight"):
+            # reads the un-normalised residual stream (rms ~10 here): keep the gate pre-activations
+            # O(1), not deep in GELU's tail where float32 rounding is amplified ~1000x by the norm
+            t.copy_(torch.randn(t.shape, generator=g) * 0.15 / math.sqrt(t.shape[1]))
         else:  # linear [out, in]
             t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t.shape[1]))
 
@@ -137,17 +144,30 @@ def build_gemma4_model(*, layout: str = "causal", seed: int = 0, **text_config_o
 
 
 def make_gemma4_checkpoint(path, *, layout: str = "causal", seed: int = 0, hub_style: bool = False,
-                           tokenizer: bool = False, **text_config_overrides):
-    """Build a tiny random Gemma 4 checkpoint, ``save_pretrained(path)`` it (safetensors, float32)
-    and return the torch model in eval mode.
+                           tokenizer: bool = False, dtype: str = "float32", extra_consumer_kv: bool = False,
+                           **text_config_overrides):
+    """Build a tiny random Gemma 4 checkpoint, ``save_pretrained(path)`` it (safetensors) and
+    return the torch model (float32, eager, eval mode) that computes what the files hold.
 
     ``hub_style=True`` rewrites the saved text config the way hub checkpoints spell it:
     ``global_head_dim`` / ``num_global_key_value_heads`` builder keys instead of
     ``per_layer_config``. ``tokenizer=True`` also writes the tiny tokenizer into the folder.
+    ``dtype="bfloat16"`` stores the weights in bf16 (as on the hub); the returned model is then
+    transformers' float32 load of those files. ``extra_consumer_kv=True`` adds (junk)
+    ``k_proj``/``v_proj``/``k_norm``/``v_norm`` tensors for the KV-reusing layers, as original
+    checkpoints carry; transformers ignores them.
     """
     path = Path(path)
     model = build_gemma4_model(layout=layout, seed=seed, **text_config_overrides)
-    model.save_pretrained(path, safe_serialization=True)
+    if dtype == "bfloat16":
+        model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+        model = None
+    elif dtype == "float32":
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    if extra_consumer_kv:
+        _add_consumer_kv_tensors(path, seed)
     if hub_style:
         kw = _text_config_kwargs(text_config_overrides)
         cfg_path = path / "config.json"
@@ -160,7 +180,31 @@ def make_gemma4_checkpoint(path, *, layout: str = "causal", seed: int = 0, hub_s
         cfg_path.write_text(json.dumps(cfg, indent=2))
     if tokenizer:
         write_tiny_tokenizer(path, _text_config_kwargs(text_config_overrides)["vocab_size"])
-    return model
+    return model if model is not None else load_hf(path)
+
+
+def _add_consumer_kv_tensors(path: Path, seed: int) -> None:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    tc = cfg.get_text_config()
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    prefix = "model.language_model." if cfg.model_type == "gemma4" else "model."
+    g = torch.Generator().manual_seed(seed + 1)
+    dtype = tensors[prefix + "embed_tokens.weight"].dtype
+    for i, mode in enumerate(tc.kv_sharing_modes):
+        if mode != "reuse":
+            continue
+        lc = tc.per_layer_config[i]
+        d, kv = lc.head_dim, lc.num_key_value_heads
+        a = f"{prefix}layers.{i}.self_attn."
+        tensors[a + "k_proj.weight"] = torch.randn(kv * d, tc.hidden_size, generator=g).to(dtype)
+        tensors[a + "v_proj.weight"] = torch.randn(kv * d, tc.hidden_size, generator=g).to(dtype)
+        tensors[a + "k_norm.weight"] = torch.rand(d, generator=g).to(dtype)
+        tensors[a + "v_norm.weight"] = torch.rand(d, generator=g).to(dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
 
 
 def load_hf(path):
