@@ -28,10 +28,10 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", 
               "special_tokens_map.json", "generation_config.json", "tokenizer.model")
 
 
-def quantizer(quant: str):
+def quantizer(fmt: str):
     from .quant import Int4Matrix, Int8Matrix
 
-    return {"int8": Int8Matrix, "int4": Int4Matrix}[quant]
+    return {"int8": Int8Matrix, "int4": Int4Matrix}[fmt]
 
 
 def is_projection(name: str, t: Any) -> bool:
@@ -52,7 +52,8 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     if isinstance(raw.get("quantization_config"), dict):
         raise CheckpointError(f"{src} is already quantized ({raw['quantization_config'].get('quant_method')})")
     check_tensors(cfg, tensors, str(src))
-    cls = quantizer(quant)
+    from .quant import Int4Matrix, quantize
+
     names = list(expected_shapes(cfg))
     jobs = [n for n in names if is_projection(n, tensors[n])]
     if cfg.tie_word_embeddings:
@@ -61,10 +62,10 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     formats: dict[str, str] = {}
     for name in tqdm(jobs, desc=f"quantizing to {quant}", disable=not progress, unit="tensor"):
         source = tensors["embed_tokens.weight" if name == "lm_head.weight" and name not in tensors else name]
-        m = cls.quantize(_dense(source))
+        m = quantize(_dense(source), quant)
         for part, a in m.tensors().items():
             arrays[f"{name}.{part}"] = a
-        formats[name] = quant
+        formats[name] = "int4" if isinstance(m, Int4Matrix) else "int8"
     for name in names:
         if name not in formats:
             arrays[name] = np.asarray(tensors[name])

@@ -84,10 +84,14 @@ def matrix_factory(quant: str | None) -> Callable[[Any], Matrix]:
     """How projection weights are held: float32, or quantized from whatever is stored."""
     if quant is None:
         return lambda t: t if isinstance(t, Matrix) else F32Matrix(np.asarray(t, dtype=np.float32))
-    from .quant import Int4Matrix, Int8Matrix
+    from .quant import quantize
 
-    cls = Int8Matrix if quant == "int8" else Int4Matrix
-    return lambda t: t if isinstance(t, (Int8Matrix, Int4Matrix)) else cls.quantize(t.dense() if isinstance(t, Matrix) else t)
+    def make(t: Any) -> Matrix:
+        if isinstance(t, Matrix) and hasattr(t, "tensors"):  # already int8/int4 (converted checkpoint)
+            return t
+        return quantize(t.dense() if isinstance(t, Matrix) else t, quant)
+
+    return make
 
 
 def table(t: Any) -> Matrix:

@@ -633,3 +633,13 @@ def matrix_from_tensors(d: dict) -> Matrix:
     if "q" in d:
         return Int8Matrix.from_tensors(d)
     raise ValueError(f"not a quantized matrix: keys {sorted(d)}")
+
+
+def quantize(w: np.ndarray, kind: str) -> "Int8Matrix | Int4Matrix":
+    """``kind`` "int8" or "int4"; int4 falls back to int8 for a matrix whose input width is not a
+    multiple of the group (only toy shapes: real Gemma widths are multiples of 256)."""
+    if kind == "int4" and w.shape[1] % Int4Matrix.GROUPS[0] == 0:
+        return Int4Matrix.quantize(w)
+    if kind not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {kind!r}")
+    return Int8Matrix.quantize(w)
