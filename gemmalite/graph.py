@@ -18,7 +18,7 @@ import numpy as np
 from .cache import KVRing, KVState
 from .config import ModelConfig
 from .errors import ContextError
-from .kernels import apply_rope, attention, gelu_tanh, rms_norm, rope_tables
+from .kernels import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from .matrix import Matrix
 
 
@@ -151,11 +151,11 @@ class DecoderGraph:
         h = h + rms_norm(_proj(w.o, o, bias.get("o")), w.ln_post_attn, eps)
 
         m = rms_norm(h, w.ln_pre_ff, eps)
-        m = w.down.matmul(gelu_tanh(w.gate.matmul(m)) * w.up.matmul(m))
+        m = w.down.matmul(gelu_tanh_mul(w.gate.matmul(m), w.up.matmul(m)))
         h = h + rms_norm(m, w.ln_post_ff, eps)
 
         if ple is not None:
-            g = gelu_tanh(w.ple_gate.matmul(h)) * ple[:, spec.index, :]
+            g = gelu_tanh_mul(w.ple_gate.matmul(h), ple[:, spec.index, :])
             h = h + rms_norm(w.ple_proj.matmul(g), w.ple_norm, eps)
         if w.layer_scalar is not None:
             h = h * w.layer_scalar

@@ -6,24 +6,38 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels_numba import rms_norm_rows
+
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per attention block: bounds the score matrix in long prefills
-SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, offset: float = 0.0) -> np.ndarray:
-    """``x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the last axis (weight None: scale-free)."""
-    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps)
-    y = x * np.power(ms, np.float32(-0.5))
-    if weight is not None:
-        y = y * (weight + np.float32(offset) if offset else weight)
-    return y
+_NO_WEIGHT = np.zeros(0, np.float32)
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """tanh-approximate GELU (``gelu_pytorch_tanh``)."""
-    inner = SQRT_2_OVER_PI * (x + np.float32(0.044715) * (x * x * x))
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis (weight None: scale-free).
+    Weights already carry any family offset (Gemma 3's ``1 + w``)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    rms_norm_rows(x2, _NO_WEIGHT if weight is None else weight, float(eps), out)
+    return out.reshape(x.shape)
+
+
+def gelu_tanh_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``gelu_tanh(a) * b`` (tanh-approximate GELU, ``gelu_pytorch_tanh``), in place on a
+    fresh buffer: numpy's SIMD tanh beats a scalar-tanh numba loop."""
+    t = a * a
+    t *= a
+    t *= np.float32(0.044715)
+    t += a
+    t *= np.float32(0.7978845608028654)
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= a
+    t *= np.float32(0.5)
+    t *= b
+    return t
 
 
 def rope_tables(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

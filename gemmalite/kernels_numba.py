@@ -26,3 +26,26 @@ def bf16_matmul_small(x, w, out):  # pragma: no cover - compiled
                 for c in range(C):
                     acc += x[t, c] * f[c]
                 out[t, r] = acc
+
+
+@njit(cache=True, boundscheck=False)
+def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
+    """out = x / sqrt(mean(x^2) + eps) * w per row of 2-D ``x`` (``w`` empty: scale-free).
+
+    The mean of squares accumulates in float64 (at least as exact as torch's float32
+    reduction); the two multiplications round in float32 like transformers'."""
+    rows, d = x.shape
+    has_w = w.shape[0] > 0
+    for r in range(rows):
+        s = 0.0
+        for c in range(d):
+            v = np.float64(x[r, c])
+            s += v * v
+        inv = np.float32((s / d + eps) ** -0.5)
+        if has_w:
+            for c in range(d):
+                out[r, c] = (x[r, c] * inv) * w[c]
+        else:
+            for c in range(d):
+                out[r, c] = x[r, c] * inv
+
