@@ -3,11 +3,13 @@
 A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is decoded:
 
 * ``rows(ids)``  decodes just those rows (embedding lookups into a 262k-row table).
-* ``matmul(x)``  for a few tokens (decode, ``T <= DECODE_MAX_T``) runs a numba kernel that
-  decodes one row at a time into a per-thread buffer and dots it with each ``x`` row in
-  float32, parallel over output rows: the weights cross the memory bus once, still compressed.
-  For longer inputs (prefill) it decodes ``ROW_BLOCK``-sized slabs of rows to float32 and lets
-  BLAS multiply them, so the float32 copy never exceeds one slab.
+* ``matmul(x)``  for a few input rows (decode, short prompts: see ``FUSED_MAX_T``) runs a numba
+  kernel that decodes one weight row at a time into a per-thread buffer and dots it with every
+  ``x`` row in float32, parallel over output rows for big matrices (``PARALLEL_MIN``): the
+  weights cross the memory bus once, still compressed. Longer inputs (prefill) decode ``SLAB_BYTES``-sized slabs of rows to float32 and
+  let BLAS multiply them, so the float32 copy never exceeds one slab. The slab decode runs on
+  the calling thread: a numba parallel region between BLAS calls fights OpenBLAS's spinning
+  worker threads (measured 10x slower on 2 cores), and BLAS dominates there anyway.
 
 Numerics: every decoder reproduces the float32 operations of the reference dequantizers in
 ``gguf.quants`` (llama.cpp's ``dequantize_row_*``) bit for bit, e.g. Q4_K computes
@@ -20,15 +22,24 @@ lets LLVM vectorise the sum.
 """
 from __future__ import annotations
 
+import math
+from typing import Any, NamedTuple
+
 import numpy as np
-from numba import njit, prange
+from numba import literally, njit, prange
 
 from .matrix import BF16, Matrix
 
 QK_K = 256
-DECODE_MAX_T = 4  # inputs with at most this many rows use the fused decode kernel
-SLAB_BYTES = 4 << 20  # float32 bytes per dequantized slab in the prefill path
-ROW_CHUNK = 16  # output rows per parallel work item in the decode kernel
+# The fused kernel is used for T <= 4 input rows always, and up to FUSED_MAX_T rows while x
+# (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
+FUSED_MAX_T = 64
+FUSED_MAX_X = 128 * 1024  # T * cols values (512 KiB of x)
+SLAB_BYTES = 4 << 20  # float32 bytes per dequantized slab in the BLAS path
+ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
+# Below this much work (weights x max(1, T/4)) the fused kernel stays on the calling thread:
+# waking the thread pool costs more than it saves (and much more on a busy machine).
+PARALLEL_MIN = 1 << 22
 
 # GGML type id -> (name, elements per block, bytes per block); ids from ggml.h
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -78,9 +89,15 @@ def row_bytes(qtype, cols: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block decoders: dec(row, b, dst, o, tab) writes block b of the byte row into dst[o:o+bs].
+# Block decoders: dec(row, b, dst, o, tab, n) writes block b of the byte row into dst[o:o+bs].
 # `tab` is the float16 -> float32 table. All arithmetic is float32, in the reference order.
+# `n` is always 32 (= W). It is passed in at run time on purpose: with a constant trip count
+# LLVM fully unrolls the inner loops and then cannot vectorise them (it cannot prove that `dst`
+# and `row` do not overlap); with an opaque one it vectorises them behind a runtime overlap
+# check, which is 3-4x faster.
 # ---------------------------------------------------------------------------------------------
+
+W = 32
 
 
 @njit(inline="always", cache=True)
@@ -95,7 +112,16 @@ def _u32(row, o):
 
 
 @njit(inline="always", cache=True)
-def _legacy32(row, o, dst, do, tab, has_min, has_high):
+def _nibbles(byte):
+    """(low, high) nibble of a byte as exact float32s, in float arithmetic: it vectorises to
+    16 lanes, where numba's int64 integer ops take 8 (~15% faster decoding)."""
+    v = np.float32(byte)
+    hi = np.floor(v * np.float32(0.0625))
+    return v - np.float32(16.0) * hi, hi
+
+
+@njit(inline="always", cache=True)
+def _legacy32(row, o, dst, do, tab, n, has_min, has_high):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1: element j is the low nibble of qs[j], j+16 the high one;
     the 5-bit types take bit j of the 32-bit ``qh`` as bit 4. Without a min: d*(q - offset)."""
     d = _half(row, o, tab)
@@ -108,47 +134,48 @@ def _legacy32(row, o, dst, do, tab, has_min, has_high):
     if has_high:
         qh = _u32(row, p)
         p += 4
-    off = 16 if has_high else 8
-    for j in range(16):
-        v = np.int64(row[p + j])
-        q0 = v & 15
-        q1 = v >> 4
+    off = np.float32(16.0 if has_high else 8.0)
+    half = n // 2
+    for j in range(half):
         if has_high:
-            q0 |= ((qh >> j) & 1) << 4
-            q1 |= ((qh >> (j + 16)) & 1) << 4
-        if has_min:
-            dst[do + j] = d * np.float32(q0) + m
-            dst[do + j + 16] = d * np.float32(q1) + m
+            v = np.int64(row[p + j])
+            q0 = np.float32((v & 15) | (((qh >> j) & 1) << 4))
+            q1 = np.float32((v >> 4) | (((qh >> (j + half)) & 1) << 4))
         else:
-            dst[do + j] = d * np.float32(q0 - off)
-            dst[do + j + 16] = d * np.float32(q1 - off)
+            q0, q1 = _nibbles(row[p + j])
+        if has_min:
+            dst[do + j] = d * q0 + m
+            dst[do + half + j] = d * q1 + m
+        else:  # q - offset is exact in float32, as in the reference's int8 arithmetic
+            dst[do + j] = d * (q0 - off)
+            dst[do + half + j] = d * (q1 - off)
 
 
 @njit(inline="always", cache=True)
-def dec_q4_0(row, b, dst, do, tab):
-    _legacy32(row, b * 18, dst, do, tab, False, False)
+def dec_q4_0(row, b, dst, do, tab, n):
+    _legacy32(row, b * 18, dst, do, tab, n, False, False)
 
 
 @njit(inline="always", cache=True)
-def dec_q4_1(row, b, dst, do, tab):
-    _legacy32(row, b * 20, dst, do, tab, True, False)
+def dec_q4_1(row, b, dst, do, tab, n):
+    _legacy32(row, b * 20, dst, do, tab, n, True, False)
 
 
 @njit(inline="always", cache=True)
-def dec_q5_0(row, b, dst, do, tab):
-    _legacy32(row, b * 22, dst, do, tab, False, True)
+def dec_q5_0(row, b, dst, do, tab, n):
+    _legacy32(row, b * 22, dst, do, tab, n, False, True)
 
 
 @njit(inline="always", cache=True)
-def dec_q5_1(row, b, dst, do, tab):
-    _legacy32(row, b * 24, dst, do, tab, True, True)
+def dec_q5_1(row, b, dst, do, tab, n):
+    _legacy32(row, b * 24, dst, do, tab, n, True, True)
 
 
 @njit(inline="always", cache=True)
-def dec_q8_0(row, b, dst, do, tab):
+def dec_q8_0(row, b, dst, do, tab, n):
     o = b * 34
     d = _half(row, o, tab)
-    for i in range(32):
+    for i in range(n):
         dst[do + i] = np.float32(np.int8(row[o + 2 + i])) * d
 
 
@@ -163,7 +190,7 @@ def _scale_min_k4(row, s, j):
 
 
 @njit(inline="always", cache=True)
-def _k4(row, o, dst, do, tab, has_high):
+def _k4(row, o, dst, do, tab, n, has_high):
     """Q4_K / Q5_K: 8 sub-blocks of 32, value (d*sc)*q - (dmin*m). Bytes 32c..32c+31 of qs hold
     sub-block 2c in the low nibbles, 2c+1 in the high ones; Q5_K's qh bit j is bit 4 of sub-block j."""
     d = _half(row, o, tab)
@@ -179,79 +206,94 @@ def _k4(row, o, dst, do, tab, has_high):
         d1 = d * np.float32(sc1)
         dm1 = dmin * np.float32(m1)
         base = do + 64 * c
-        for l in range(32):
-            v = np.int64(row[qs + 32 * c + l])
-            q0 = v & 15
-            q1 = v >> 4
+        for l in range(n):
             if has_high:
+                v = np.int64(row[qs + 32 * c + l])
                 h = np.int64(row[qh + l])
-                q0 |= ((h >> (2 * c)) & 1) << 4
-                q1 |= ((h >> (2 * c + 1)) & 1) << 4
-            dst[base + l] = d0 * np.float32(q0) - dm0
-            dst[base + 32 + l] = d1 * np.float32(q1) - dm1
+                q0 = np.float32((v & 15) | (((h >> (2 * c)) & 1) << 4))
+                q1 = np.float32((v >> 4) | (((h >> (2 * c + 1)) & 1) << 4))
+            else:
+                q0, q1 = _nibbles(row[qs + 32 * c + l])
+            dst[base + l] = d0 * q0 - dm0
+            dst[base + 32 + l] = d1 * q1 - dm1
 
 
 @njit(inline="always", cache=True)
-def dec_q4_k(row, b, dst, do, tab):
-    _k4(row, b * 144, dst, do, tab, False)
+def dec_q4_k(row, b, dst, do, tab, n):
+    _k4(row, b * 144, dst, do, tab, n, False)
 
 
 @njit(inline="always", cache=True)
-def dec_q5_k(row, b, dst, do, tab):
-    _k4(row, b * 176, dst, do, tab, True)
+def dec_q5_k(row, b, dst, do, tab, n):
+    _k4(row, b * 176, dst, do, tab, n, True)
 
 
 @njit(inline="always", cache=True)
-def dec_q6_k(row, b, dst, do, tab):
-    """Q6_K: two halves of 128; in half h, element 32*j + l (j < 4) takes its low 4 bits from
-    ql[64h + 32*(j%2) + l] (nibble j//2), its top 2 bits from qh[32h + l] >> 2j; value
-    (d*scale[e//16]) * (q - 32)."""
+def _crumbs(byte):
+    """The four 2-bit fields of a byte (bits 0-1, 2-3, 4-5, 6-7) as exact float32s."""
+    v = np.float32(byte)
+    t1 = np.floor(v * np.float32(0.25))
+    t2 = np.floor(t1 * np.float32(0.25))
+    c3 = np.floor(t2 * np.float32(0.25))
+    return v - np.float32(4.0) * t1, t1 - np.float32(4.0) * t2, t2 - np.float32(4.0) * c3, c3
+
+
+@njit(inline="always", cache=True)
+def dec_q6_k(row, b, dst, do, tab, n):
+    """Q6_K (dequantize_row_q6_K): two halves of 128. In half h, with a = ql[64h + l],
+    b = ql[64h + 32 + l], c = qh[32h + l] (l < 32), elements l, l+32, l+64, l+96 take their low
+    4 bits from a&15, b&15, a>>4, b>>4 and their top 2 bits from c's bit pairs 0-1 ... 6-7;
+    value (d*scale[e//16]) * (q - 32), one int8 scale per 16 elements."""
     o = b * 210
-    ql = o
-    qh = o + 128
     sc = o + 192
     d = _half(row, o + 208, tab)
+    half = n // 2
+    f16, f32 = np.float32(16.0), np.float32(32.0)
     for h in range(2):
-        for j in range(4):
-            ds0 = d * np.float32(np.int8(row[sc + 8 * h + 2 * j]))
-            ds1 = d * np.float32(np.int8(row[sc + 8 * h + 2 * j + 1]))
-            lo = ql + 64 * h + 32 * (j & 1)
-            shift = 4 * (j >> 1)
-            base = do + 128 * h + 32 * j
-            for l in range(32):
-                q = ((np.int64(row[lo + l]) >> shift) & 15) | (((np.int64(row[qh + 32 * h + l]) >> (2 * j)) & 3) << 4)
-                dsl = ds0 if l < 16 else ds1
-                dst[base + l] = dsl * np.float32(q - 32)
+        ql = o + 64 * h
+        qh = o + 128 + 32 * h
+        base = do + 128 * h
+        for k in range(2):  # elements 0-15 / 16-31 of each group of 32 have their own scale
+            s0 = sc + 8 * h + k
+            d0 = d * np.float32(np.int8(row[s0]))
+            d1 = d * np.float32(np.int8(row[s0 + 2]))
+            d2 = d * np.float32(np.int8(row[s0 + 4]))
+            d3 = d * np.float32(np.int8(row[s0 + 6]))
+            for l in range(half * k, half * (k + 1)):
+                a0, a1 = _nibbles(row[ql + l])
+                b0, b1 = _nibbles(row[ql + 32 + l])
+                c0, c1, c2, c3 = _crumbs(row[qh + l])
+                dst[base + l] = d0 * (a0 + f16 * c0 - f32)
+                dst[base + 32 + l] = d1 * (b0 + f16 * c1 - f32)
+                dst[base + 64 + l] = d2 * (a1 + f16 * c2 - f32)
+                dst[base + 96 + l] = d3 * (b1 + f16 * c3 - f32)
 
 
-# Kernels take the block type as a small integer and branch per block (a well-predicted
-# branch): passing decoder functions as arguments would defeat numba's on-disk cache.
-_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # `kind` numbers
 
 
-@njit(inline="always", cache=True)
-def _decode(kind, row, b, dst, do, tab):
-    if kind == 0:
-        dec_q4_0(row, b, dst, do, tab)
-    elif kind == 1:
-        dec_q4_1(row, b, dst, do, tab)
-    elif kind == 2:
-        dec_q5_0(row, b, dst, do, tab)
-    elif kind == 3:
-        dec_q5_1(row, b, dst, do, tab)
-    elif kind == 4:
-        dec_q8_0(row, b, dst, do, tab)
-    elif kind == 5:
-        dec_q4_k(row, b, dst, do, tab)
-    elif kind == 6:
-        dec_q5_k(row, b, dst, do, tab)
-    else:
-        dec_q6_k(row, b, dst, do, tab)
-
-
-# ---------------------------------------------------------------------------------------------
-# Drivers, shared by every block type.
-# ---------------------------------------------------------------------------------------------
+@njit(cache=True)
+def _decode_row(kind, row, dst, bs, tab, n):
+    """Decode a whole row. ``kind`` is made a literal, so numba compiles one specialisation per
+    block type in which dead-branch pruning has kept only that type's decoder."""
+    literally(kind)
+    for b in range(dst.shape[0] // bs):
+        if kind == 0:
+            dec_q4_0(row, b, dst, b * bs, tab, n)
+        elif kind == 1:
+            dec_q4_1(row, b, dst, b * bs, tab, n)
+        elif kind == 2:
+            dec_q5_0(row, b, dst, b * bs, tab, n)
+        elif kind == 3:
+            dec_q5_1(row, b, dst, b * bs, tab, n)
+        elif kind == 4:
+            dec_q8_0(row, b, dst, b * bs, tab, n)
+        elif kind == 5:
+            dec_q4_k(row, b, dst, b * bs, tab, n)
+        elif kind == 6:
+            dec_q5_k(row, b, dst, b * bs, tab, n)
+        else:
+            dec_q6_k(row, b, dst, b * bs, tab, n)
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -265,32 +307,54 @@ def _dot(a, b):
     return s
 
 
-@njit(parallel=True, cache=True)
-def _dequant_rows(raw, ids, out, kind, bs, tab):
-    nb = out.shape[1] // bs
-    for i in prange(ids.shape[0]):
-        row = raw[ids[i]]
-        dst = out[i]
-        for b in range(nb):
-            _decode(kind, row, b, dst, b * bs, tab)
+@njit(inline="always", cache=True)
+def _matvec_rows(kind, raw, x, out, tab, n, bs, r0, r1, buf):
+    """Rows r0..r1 of out = x @ W.T: each weight row is decoded once into ``buf`` (L1/L2
+    resident) and dotted with every x row."""
+    for r in range(r0, r1):
+        _decode_row(kind, raw[r], buf, bs, tab, n)
+        for t in range(x.shape[0]):
+            out[t, r] = _dot(buf, x[t])
 
 
-@njit(parallel=True, cache=True)
-def _matvec(raw, x, out, kind, bs, tab):
-    """out[t, r] = w[r] . x[t] for a few rows of x: each row is decoded once into a per-thread
-    buffer (L1/L2 resident) and dotted with every x row; parallel over chunks of rows."""
-    n_rows = raw.shape[0]
-    n_t, cols = x.shape
-    nb = cols // bs
-    n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
-    for c in prange(n_chunks):
-        buf = np.empty(cols, np.float32)
-        for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
-            row = raw[r]
-            for b in range(nb):
-                _decode(kind, row, b, buf, b * bs, tab)
-            for t in range(n_t):
-                out[t, r] = _dot(buf, x[t])
+class _Kernels(NamedTuple):
+    gather: Any  # (raw, ids, out, tab, n): out[i] = row ids[i], on the calling thread
+    matvec: Any  # (raw, x, out, tab, n): out = x @ W.T, parallel over chunks of rows
+    matvec_serial: Any  # the same on the calling thread, for small matrices
+
+
+def _kernels(name: str) -> _Kernels:
+    """Drivers for one block type. ``kind`` is a closure constant that `_decode_row` turns into
+    a literal, so each type runs its own decoder with tight loops (a run-time switch between
+    decoders inside the row loop stops LLVM from vectorising them: 3x slower). The closure
+    holds plain ints, which numba's disk cache can key on (a captured dispatcher pickles
+    differently in every process, so kernels closing over one are never found in the cache).
+    """
+    kind = _KINDS.index(name)
+    bs = block_info(name)[0]
+
+    @njit(cache=True)
+    def gather(raw, ids, out, tab, n):
+        """Serial on purpose: lookups are a few rows, and slabs for BLAS must not start a
+        parallel region between BLAS calls (OpenBLAS's spinning workers make it crawl)."""
+        for i in range(ids.shape[0]):
+            _decode_row(kind, raw[ids[i]], out[i], bs, tab, n)
+
+    @njit(parallel=True, cache=True)
+    def matvec(raw, x, out, tab, n):
+        n_rows = raw.shape[0]
+        for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+            buf = np.empty(x.shape[1], np.float32)
+            _matvec_rows(kind, raw, x, out, tab, n, bs, c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK), buf)
+
+    @njit(cache=True)
+    def matvec_serial(raw, x, out, tab, n):
+        _matvec_rows(kind, raw, x, out, tab, n, bs, 0, raw.shape[0], np.empty(x.shape[1], np.float32))
+
+    return _Kernels(gather, matvec, matvec_serial)
+
+
+_KERNELS = {name: _kernels(name) for name in _KINDS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,10 +366,6 @@ def _float_rows(raw: np.ndarray, name: str, cols: int) -> np.ndarray:
     """The raw [rows, bytes] array viewed as [rows, cols] of its stored float dtype."""
     dt = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16}[name]
     return raw.view(dt).reshape(raw.shape[0], cols)
-
-
-def _to_f32(w: np.ndarray) -> np.ndarray:
-    return np.asarray(w, dtype=np.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,13 +393,17 @@ class GGMLMatrix(Matrix):
         self.block_size = block_info(self.qtype)[0]
         if self.qtype in FLOAT_TYPES:
             self._w = _float_rows(self.raw, self.qtype, cols)
-            self._kind = -1
+            self._k = None
         else:
             self._w = None
-            self._kind = _KINDS.index(self.qtype)
+            self._k = _KERNELS[self.qtype]
 
     def __repr__(self) -> str:
         return f"GGMLMatrix({self.qtype}, {self.shape})"
+
+    def row_slice(self, r0: int, r1: int) -> "GGMLMatrix":
+        """Rows r0..r1 as a new matrix sharing the same bytes (splits a fused QKV weight)."""
+        return GGMLMatrix(self.raw[r0:r1], self.qtype, (r1 - r0, self.shape[1]))
 
     @property
     def nbytes(self) -> int:
@@ -350,47 +414,54 @@ class GGMLMatrix(Matrix):
         if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
             raise IndexError(f"row ids out of range for {self!r}")
         if self._w is not None:
-            return _to_f32(self._w[ids])
+            return self._w[ids].astype(np.float32)
         out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
         if ids.size:
-            _dequant_rows(self.raw, ids, out, self._kind, self.block_size, _F16)
+            self._k.gather(self.raw, ids, out, _F16, W)
         return out
-
-    def _slab(self, r0: int, r1: int) -> np.ndarray:
-        if self._w is not None:
-            return _to_f32(self._w[r0:r1])
-        return self.rows(np.arange(r0, r1))
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         squeeze = x.ndim == 1
         x2 = x.reshape(1, -1) if squeeze else x
-        if x2.shape[1] != self.shape[1]:
-            raise ValueError(f"matmul: x has {x2.shape[1]} columns, {self!r} needs {self.shape[1]}")
+        if x2.ndim != 2 or x2.shape[1] != self.shape[1]:
+            raise ValueError(f"matmul: x has shape {x.shape}, {self!r} needs [T, {self.shape[1]}]")
         n_t = x2.shape[0]
         if self.qtype == "F32":
             out = x2 @ self._w.T
-        elif self._kind >= 0 and 0 < n_t <= DECODE_MAX_T:
+        elif self._k is not None and self._fused(n_t):
             out = np.empty((n_t, self.shape[0]), dtype=np.float32)
-            _matvec(self.raw, x2, out, self._kind, self.block_size, _F16)
+            big = self.shape[0] * self.shape[1] * max(1, n_t // 4) >= PARALLEL_MIN
+            (self._k.matvec if big else self._k.matvec_serial)(self.raw, x2, out, _F16, W)
         else:
-            out = np.empty((n_t, self.shape[0]), dtype=np.float32)
-            step = max(64, SLAB_BYTES // (4 * self.shape[1]))
-            for r0 in range(0, self.shape[0], step):
-                r1 = min(self.shape[0], r0 + step)
-                out[:, r0:r1] = x2 @ self._slab(r0, r1).T
+            out = self._blas(x2)
         return out[0] if squeeze else out
+
+    def _fused(self, n_t: int) -> bool:
+        return 0 < n_t and (n_t <= 4 or (n_t <= FUSED_MAX_T and n_t * self.shape[1] <= FUSED_MAX_X))
+
+    def _blas(self, x: np.ndarray) -> np.ndarray:
+        rows, cols = self.shape
+        out = np.empty((x.shape[0], rows), dtype=np.float32)
+        step = min(rows, max(64, SLAB_BYTES // (4 * cols)))
+        slab = np.empty((step, cols), dtype=np.float32)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            blk = slab[: r1 - r0]
+            if self._w is not None:
+                blk[:] = self._w[r0:r1]
+            else:
+                self._k.gather(self.raw, np.arange(r0, r1), blk, _F16, W)
+            out[:, r0:r1] = x @ blk.T
+        return out
 
 
 def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:
     """The whole tensor in float32 (tests and conversion); ``shape`` is row-major, last = cols."""
     shape = tuple(int(s) for s in shape)
-    cols = shape[-1]
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    return GGMLMatrix(raw, qtype, (rows, cols)).dense().reshape(shape)
+    return GGMLMatrix(raw, qtype, (math.prod(shape[:-1]), shape[-1])).dense().reshape(shape)
 
 
 def quantized_nbytes(qtype, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of this type and (row-major) shape occupies."""
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    return rows * row_bytes(qtype, int(shape[-1]))
+    return math.prod(shape[:-1]) * row_bytes(qtype, int(shape[-1]))

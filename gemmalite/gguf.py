@@ -12,12 +12,13 @@ innermost first (``ne[0]`` = columns); shapes here are numpy order (rows first).
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -151,17 +152,20 @@ def _parse(buf, path: str) -> tuple[int, dict[str, Any], list[TensorInfo]]:
     if align <= 0 or align & (align - 1):
         raise GGUFError(f"{path}: invalid general.alignment {align}")
     data_start = -(-cur.pos // align) * align
-    infos = [_tensor_info(path, cur.size, data_start, *ri) for ri in raw_infos]
+    infos = [_tensor_info(path, cur.size, data_start, align, *ri) for ri in raw_infos]
     return version, meta, infos
 
 
-def _tensor_info(path: str, size: int, data_start: int, name: str, ne: list[int], tid: int,
-                 rel: int) -> TensorInfo:
+def _tensor_info(path: str, size: int, data_start: int, align: int, name: str, ne: list[int],
+                 tid: int, rel: int) -> TensorInfo:
     if tid not in GGML_TYPES:
         raise GGUFError(f"{path}: tensor {name!r} has GGML type {tid}, which gemmalite does not "
                         f"support (supported: {', '.join(v[0] for v in GGML_TYPES.values())})")
     qtype = type_name(tid)
     shape = tuple(int(d) for d in reversed(ne))
+    if rel % align:
+        raise GGUFError(f"{path}: tensor {name!r} data offset {rel} is not a multiple of the "
+                        f"alignment {align}: the file is corrupted")
     if shape[-1] % block_info(qtype)[0]:
         raise GGUFError(f"{path}: tensor {name!r} ({qtype}) has {shape[-1]} columns, not a "
                         f"multiple of the block size")
@@ -178,7 +182,7 @@ def _tensor(data: np.ndarray, info: TensorInfo) -> Matrix | np.ndarray:
     if len(info.shape) == 1:  # norms, scalars: small, float32 in memory
         return GGMLMatrix(raw, info.qtype, (1, info.shape[0])).dense()[0]
     # 2-D weights; a 3-D expert stack is viewed as its rows stacked (shape kept in tensor_info)
-    return GGMLMatrix(raw, info.qtype, (int(np.prod(info.shape[:-1])), info.shape[-1]))
+    return GGMLMatrix(raw, info.qtype, (math.prod(info.shape[:-1]), info.shape[-1]))
 
 
 def is_gguf(path: str | os.PathLike) -> bool:

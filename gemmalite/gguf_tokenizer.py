@@ -4,7 +4,10 @@ llama.cpp (src/llama-vocab.cpp) tokenizes in two steps, both mirrored here:
 
 1. *Special partition*: every token typed CONTROL, USER_DEFINED or UNKNOWN is cut out of the raw
    text first (``parse_special=True``). Here they are added tokens matched on the raw text
-   (``normalized=False``): control/unknown ones special, user-defined ones not.
+   (``normalized=False``): control/unknown ones special, user-defined ones not. (llama.cpp
+   cuts the longest tokens first everywhere, tokenizers matches leftmost-longest; they differ
+   only when two such tokens overlap in the text, and in the Gemma vocabularies none can except
+   runs of one character -- newlines, spaces, tabs -- where both give the same pieces.)
 2. Each remaining fragment, with every ``' '`` replaced by ``'▁'``:
 
    * ``tokenizer.ggml.model == "llama"`` (Gemma 3, SentencePiece): llama.cpp's SPM session
@@ -96,6 +99,10 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, byte_fallback=True,
                         unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=False))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
+    if model == "llama" and meta.get("tokenizer.ggml.add_space_prefix", False):
+        # llama.cpp prefixes a space to every text fragment that starts the input or follows a
+        # special token: exactly the pieces the added tokens leave to the normalizer
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), tok.normalizer])
     if pre is not None:
         tok.pre_tokenizer = pre
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])

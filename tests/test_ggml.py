@@ -55,7 +55,7 @@ def test_dequantize_matches_gguf_reference_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", QUANT + FLOAT)
-@pytest.mark.parametrize("t", [1, 3, ggml.FUSED_MAX_T, ggml.FUSED_MAX_T + 1, 37])
+@pytest.mark.parametrize("t", [1, 3, 37, ggml.FUSED_MAX_T, ggml.FUSED_MAX_T + 1])
 def test_matmul_is_float32_math_on_dequantized_weights(name, t):
     raw = make_raw(name, seed=1)
     w = reference(raw, name)
@@ -63,6 +63,17 @@ def test_matmul_is_float32_math_on_dequantized_weights(name, t):
     y = GGMLMatrix(raw, name, (ROWS, COLS)).matmul(x)
     assert y.shape == (t, ROWS) and y.dtype == np.float32
     close_to_f64(y, x, w)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_parallel_fused_kernel(name, monkeypatch):
+    """Small matrices stay on the calling thread; force the thread-pool kernel (ragged last chunk)."""
+    monkeypatch.setattr(ggml, "PARALLEL_MIN", 0)
+    raw = make_raw(name, rows=ggml.ROW_CHUNK * 3 + 5, seed=5)
+    w = reference(raw, name)
+    for t in (1, 6):
+        x = np.random.default_rng(t).standard_normal((t, COLS)).astype(np.float32)
+        close_to_f64(GGMLMatrix(raw, name, (raw.shape[0], COLS)).matmul(x), x, w)
 
 
 def test_blas_path_in_several_slabs(monkeypatch):

@@ -89,3 +89,22 @@ def test_gemma4_vocab_cache_is_reused(tmp_path):
 def test_unknown_tokenizer_model_is_rejected():
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model"):
         tokenizer_from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_synthetic_spm_vocab_with_space_prefix():
+    """llama.cpp's SPM path on a toy vocabulary: highest-score merges, byte fallback, and the
+    space prefix it adds to each fragment that starts the text or follows a special token."""
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab", "<0xC3>", "<0xA9>"],
+        "tokenizer.ggml.scores": [0, 0, -1, -2, -3, -6, -4, -5, 0, 0],
+        "tokenizer.ggml.token_type": [2, 3, 1, 1, 1, 1, 1, 1, 6, 6],
+        "tokenizer.ggml.add_space_prefix": True,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    tok, info = tokenizer_from_gguf(meta)
+    # "ab" (score -4) merges before "▁a" (-6), then "▁" + "ab" -> "▁ab"; é is two byte tokens
+    assert tok.encode("ab<s>b é").tokens == ["<s>", "\u2581ab", "<s>", "\u2581", "b", "\u2581", "<0xC3>", "<0xA9>"]
+    assert tok.decode(tok.encode("ab<s>b é").ids) == " ab b é"
+    assert info["add_bos"] and info["eog_token_ids"] == []
