@@ -18,7 +18,7 @@ from .errors import CheckpointError
 from .graph import DecoderGraph, LayerWeights, PLEWeights
 from .matrix import F32Matrix, HalfMatrix, Matrix, as_matrix
 from .model import GenerationDefaults, Model
-from .tokenizer import Tokenizer, load_tokenizer_folder
+from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
 
 DEFAULT_CONTEXT = 8192
 QUANT_KINDS = (None, "int8", "int4")
@@ -60,6 +60,8 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         tokenizer = load_tokenizer_folder(p)
         gen = _read_json(p / "generation_config.json")
     check_tensors(cfg, tensors, str(p))
+    if tokenizer is not None:
+        tokenizer.fallback_template = FALLBACK_TEMPLATES[cfg.family]
     return build_model(cfg, tensors, tokenizer, gen, context=context, quant=quant, source=str(p))
 
 

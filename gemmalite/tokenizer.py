@@ -19,12 +19,20 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import TokenizerError
 
-# Used when a checkpoint carries no chat template: the Gemma 4 turn format.
+# Used when a checkpoint carries no chat template: the family's turn format.
 GEMMA4_FALLBACK_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<turn|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
+GEMMA3_FALLBACK_TEMPLATE = (  # Gemma 3 has no system role: a system message is prepended to the first user turn
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.sys = m['content'] | trim ~ '\n\n' %}{% else %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ ns.sys }}{{ m['content'] | trim }}"
+    "<end_of_turn>\n{% set ns.sys = '' %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+FALLBACK_TEMPLATES = {"gemma4": GEMMA4_FALLBACK_TEMPLATE, "gemma3": GEMMA3_FALLBACK_TEMPLATE}
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -34,7 +42,8 @@ class Tokenizer:
     def __init__(self, tk: HFTokenizer, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
                  add_bos: bool | None = None):
         self.tk = tk
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # the checkpoint's own, or None
+        self.fallback_template = GEMMA4_FALLBACK_TEMPLATE  # the loader sets the family's
         self.special_tokens = dict(special_tokens or {})
         bos = self.special_tokens.get("bos_token")
         self.bos_id = tk.token_to_id(bos) if bos else None
@@ -64,7 +73,7 @@ class Tokenizer:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if self._template is None:
-            self._template = compile_template(self.chat_template or GEMMA4_FALLBACK_TEMPLATE)
+            self._template = compile_template(self.chat_template or self.fallback_template)
         tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      documents=documents, **{**self.special_tokens, **kwargs})
@@ -170,7 +179,8 @@ def tokenizer_from_gguf_file(path: Path) -> Tokenizer:
     from .gguf_tokenizer import tokenizer_from_gguf
 
     tk, info = tokenizer_from_gguf(read_gguf(path).metadata)
-    special = {k: tk.id_to_token(info[k + "_id"]) for k in ("bos", "eos", "pad", "unk") if info.get(k + "_id") is not None}
+    special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
+               if info.get(k + "_token_id") is not None}
     return Tokenizer(tk, chat_template=info.get("chat_template"), add_bos=info.get("add_bos", True),
                      special_tokens={k + "_token": v for k, v in special.items() if v is not None})
 
