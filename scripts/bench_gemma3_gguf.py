@@ -45,9 +45,8 @@ def prompt_ids(n: int) -> list[int]:
 
 
 def bench_gemmalite(ids: list[int], new_tokens: int, runs: int, threads: int) -> dict:
+    import gemmalite  # first: it configures OpenBLAS threads before numpy loads it
     import numba
-
-    import gemmalite
     from gemmalite.bench import run_once
 
     numba.set_num_threads(threads)
