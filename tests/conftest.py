@@ -16,11 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def gl():
-    """The gemmalite package (skips the engine tests only while the engine is not written yet)."""
+    """The gemmalite package."""
     import gemmalite
 
-    if not hasattr(gemmalite, "load"):
-        pytest.skip("gemmalite.load does not exist yet")
     return gemmalite
 
 
