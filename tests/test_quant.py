@@ -214,3 +214,16 @@ def test_bad_x_shape():
     m = Int8Matrix.quantize(_w(16, 32))
     with pytest.raises(ValueError):
         m.matmul(np.zeros((1, 31), np.float32))
+
+
+def test_int8_long_rows_use_the_four_row_kernel_exactly():
+    """Rows of >= LONG_ROW values take the 4-rows-at-a-time decode kernel; a row count that is
+    not a multiple of 4 exercises its tail."""
+    from gemmalite.quant import LONG_ROW
+
+    rng = np.random.default_rng(7)
+    m = Int8Matrix.quantize(rng.standard_normal((11, LONG_ROW + 8), dtype=np.float32))
+    x = rng.standard_normal((1, LONG_ROW + 8), dtype=np.float32)
+    ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
+    got = m.matmul(x)
+    assert np.abs(got - ref).max() <= 1e-5 * (np.abs(x) @ np.abs(m.dense()).T).max()
