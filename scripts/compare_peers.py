@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gemmalite against transformers and llama.cpp on one checkpoint, in one run. Run by hand, never in CI.
+r"""gemmalite against transformers and llama.cpp on one checkpoint, in one run. Run by hand, never in CI.
 
 Same checkpoint, same prompt (``--prompt-tokens`` random ids drawn exactly as ``gemmalite bench`` draws them:
 BOS + rng(seed 0) ids >= 1000), same thread count. Each runtime runs in its own process (so each peak RSS is its
@@ -14,21 +14,26 @@ own), and with ``--rounds R`` the runtimes run interleaved R times (A B C A B C 
 
 It prints prefill/decode tok/s, load s, peak RSS, weight GB read per decoded token and the fraction of the
 bandwidth bound (bandwidth / bytes per token) each decode reaches, plus gemmalite's ratios to its peers, and
-writes everything to ``--out`` as JSON.
+writes everything to ``--out`` as JSON. The machine may be shared: each measurement records how many cores other
+processes kept busy meanwhile (``others``, from /proc/stat less our children's CPU time), rounds above
+``--max-others`` are left out of the medians when cleaner ones exist, and ``--wait-idle S`` waits up to S seconds
+for a quiet moment before each measurement.
 
 GGUFs are converted once and cached in MODEL/gguf/: llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python
 source distribution (``pip download --no-binary :all:`` into /tmp/lcpp_src when absent), writes Q8_0 directly
 (``--outtype q8_0``); Q4_0 is converted to a bf16 GGUF, then ``llama_cpp.llama_model_quantize`` with
 LLAMA_FTYPE_MOSTLY_Q4_0 (what ``llama-quantize in.gguf Q4_0`` does; the wheel ships no binary), and the bf16
-GGUF is deleted. llama.cpp needs one vocabulary entry per embedding row, so when the checkpoint's tokenizer is
+GGUF is deleted (llama.cpp's own Q4_0 recipe: the tied embedding/LM head and the per-layer embedding table
+become Q6_K). llama.cpp needs one vocabulary entry per embedding row, so when the checkpoint's tokenizer is
 smaller than ``vocab_size`` (synthetic checkpoints with the byte-level fallback tokenizer) the converter reads
 a copy of the folder (symlinked weights) whose tokenizer.json is padded with filler tokens.
 
 Packages (pip): llama-cpp-python==0.3.36, transformers>=5 and torch (CPU), numba, numpy; the converter also
 imports torch, transformers (AutoTokenizer), numpy and its vendored gguf-py; sentencepiece and protobuf are
-only needed for SentencePiece checkpoints. Example (E2B, ~25 min):
+only needed for SentencePiece checkpoints. Example (E2B: ~8 min once for the GGUFs, then ~5 min a round):
 
-    python scripts/compare_peers.py --model /work/models/e2b --new-tokens 32 --runs 2 --out peers.json
+    python scripts/compare_peers.py --model /work/models/e2b --new-tokens 32 --runs 2 --rounds 3 \
+        --wait-idle 300 --out peers.json
 """
 from __future__ import annotations
 
@@ -336,7 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
-    ap.add_argument("--with-hf-f32", action="store_true", help="also transformers f32 (needs ~4 bytes/param of RAM)")
+    ap.add_argument("--with-hf-f32", action="store_true",
+                    help="also transformers f32 (4 bytes/param of RAM: ~20 GB for E2B with its per-layer table)")
     ap.add_argument("--lcpp-src", type=Path, default=Path("/tmp/lcpp_src"), help="llama-cpp-python sdist folder")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per measurement process")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
