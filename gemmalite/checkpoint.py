@@ -181,12 +181,6 @@ def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t
         raise CheckpointError(f"{where}: {problems[0]}{more}")
 
 
-def unused(names: Iterable[str], cfg: ModelConfig) -> list[str]:
-    """Tensors present but not used by the text decoder (vision/audio towers, stale K/V of shared layers)."""
-    want = expected_shapes(cfg)
-    return [n for n in names if n not in want]
-
-
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

@@ -471,7 +471,7 @@ def load_gguf_parts(path: str | os.PathLike):
     back the stored factor); generation stops on llama.cpp's end-of-generation tokens."""
     from .config import ConfigError, ModelConfig
     from .gguf_tokenizer import special_token_info
-    from .tokenizer import tokenizer_from_gguf_file
+    from .tokenizer import tokenizer_from_gguf_metadata
 
     gf = read_gguf(path)
     try:
@@ -481,4 +481,4 @@ def load_gguf_parts(path: str | os.PathLike):
     info = special_token_info(gf.metadata)
     gen = {"eos_token_id": info["eog_token_ids"], "bos_token_id": info["bos_token_id"],
            "pad_token_id": info["pad_token_id"]}
-    return cfg, hf_tensors(gf), tokenizer_from_gguf_file(path), gen
+    return cfg, hf_tensors(gf), tokenizer_from_gguf_metadata(gf.metadata), gen

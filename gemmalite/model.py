@@ -213,12 +213,9 @@ class Model:
                  top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
                  truncate: bool = False):
         """Continue ``prompt`` (plain text, ``<bos>`` added): the new text, or an iterator of pieces."""
-        ids = self.tokenizer.encode(prompt)
-        params = self._params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        stop_ids, stop_strings = self._stop_sets(stop, chat=False)
-        it = self._text(self._generate(self.new_state(), ids, max_new_tokens=max_new_tokens, params=params,
-                                       stop_ids=stop_ids, truncate=truncate), stop_strings)
-        return it if stream else "".join(it)
+        return self._generate_text(self.new_state(), self.tokenizer.encode(prompt), chat=False, stream=stream,
+                                   max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
+                                   params=self._params(temperature, top_k, top_p, min_p, repetition_penalty, seed))
 
     def chat(self, messages: list[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
              top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
@@ -228,14 +225,20 @@ class Model:
         ids = self.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
         if self._chat_state is None:
             self._chat_state = self.new_state()
-        params = self._params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        stop_ids, stop_strings = self._stop_sets(stop, chat=True)
-        it = self._text(self._generate(self._chat_state, ids, max_new_tokens=max_new_tokens, params=params,
-                                       stop_ids=stop_ids, truncate=truncate), stop_strings)
-        return it if stream else "".join(it)
+        return self._generate_text(self._chat_state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens,
+                                   stop=stop, truncate=truncate,
+                                   params=self._params(temperature, top_k, top_p, min_p, repetition_penalty, seed))
 
     def reset_chat(self) -> None:
         self._chat_state = None
+
+    def _generate_text(self, state: KVState, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
+                       stop, truncate: bool, params: SamplingParams):
+        """The text path shared by `generate` and `chat`: tokens, then text cut at stop strings."""
+        stop_ids, stop_strings = self._stop_sets(stop, chat=chat)
+        it = self._text(self._generate(state, ids, max_new_tokens=max_new_tokens, params=params,
+                                       stop_ids=stop_ids, truncate=truncate), stop_strings)
+        return it if stream else "".join(it)
 
     def _text(self, tokens: Iterator[int], stops: list[str]) -> Iterator[str]:
         """Token ids to text pieces; cut at the first stop string, holding back text that may start one."""
@@ -244,21 +247,24 @@ class Model:
         pending = ""
         for t in tokens:
             pending += stream.push(t)
-            if stops:
-                cut = min((i for s in stops if (i := pending.find(s)) >= 0), default=-1)
-                if cut >= 0:
-                    if pending[:cut]:
-                        yield pending[:cut]
-                    return
+            cut = _first_stop(pending, stops)
+            if cut >= 0:
+                if pending[:cut]:
+                    yield pending[:cut]
+                return
             if len(pending) > hold:
                 yield pending[: len(pending) - hold]
                 pending = pending[len(pending) - hold:]
         pending += stream.flush()
-        if stops:
-            cut = min((i for s in stops if (i := pending.find(s)) >= 0), default=-1)
-            pending = pending[:cut] if cut >= 0 else pending
+        cut = _first_stop(pending, stops)
+        pending = pending[:cut] if cut >= 0 else pending
         if pending:
             yield pending
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    """Index of the earliest stop string in ``text``, -1 if none."""
+    return min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

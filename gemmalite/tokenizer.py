@@ -176,9 +176,15 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
 def tokenizer_from_gguf_file(path: Path) -> Tokenizer:
     """The tokenizer stored in a GGUF file's metadata (a vocabulary-only GGUF too)."""
     from .gguf import read_gguf
+
+    return tokenizer_from_gguf_metadata(read_gguf(path, load_tensors=False).metadata)
+
+
+def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a GGUF file's (already parsed) metadata describes."""
     from .gguf_tokenizer import tokenizer_from_gguf
 
-    tk, info = tokenizer_from_gguf(read_gguf(path).metadata)
+    tk, info = tokenizer_from_gguf(meta)
     special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
                if info.get(k + "_token_id") is not None}
     return Tokenizer(tk, chat_template=info.get("chat_template"), add_bos=info.get("add_bos", True),
