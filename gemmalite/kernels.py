@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels_numba import rms_norm_rows
+from .kernels_numba import attention_rows, rms_norm_rows
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per attention block: bounds the score matrix in long prefills
+SMALL_T = 4  # up to this many query rows attention runs in numba (decode), else batched BLAS
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -77,6 +78,11 @@ def attention(
     KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
     """
     T, nq, D = q.shape
+    if T <= SMALL_T:
+        out = np.empty((T, nq * D), dtype=np.float32)
+        attention_rows(np.ascontiguousarray(q, dtype=np.float32), k, v, q_pos, k_pos,
+                       window or 0, np.float32(scale), MASKED, out)
+        return out
     kv = k.shape[1]
     g = nq // kv
     kt = k.transpose(1, 2, 0)  # [kv, D, N]

@@ -49,3 +49,45 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
             for c in range(d):
                 out[r, c] = x[r, c] * inv
 
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out):  # pragma: no cover - compiled
+    """Attention for a few query rows (decode): one task per (row, query head), no BLAS call.
+
+    Same math as kernels.attention (scores * scale, finite mask, max-subtracted softmax,
+    weighted sum of V); ``window`` 0 means no sliding window. In the decode loop this keeps
+    OpenBLAS's worker threads asleep, so they never spin against numba's."""
+    T, nq, D = q.shape
+    N, kv = k.shape[0], k.shape[1]
+    g = nq // kv
+    for task in prange(T * nq):
+        t = task // nq
+        h = task % nq
+        kh = h // g
+        qp = q_pos[t]
+        s = np.empty(N, np.float32)
+        best = masked
+        for j in range(N):
+            kp = k_pos[j]
+            if kp < 0 or kp > qp or (window > 0 and kp <= qp - window):
+                s[j] = masked
+            else:
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += q[t, h, d] * k[j, kh, d]
+                s[j] = acc * scale
+                best = max(best, s[j])
+        tot = np.float32(0.0)
+        for j in range(N):
+            e = np.exp(s[j] - best)
+            s[j] = e
+            tot += e
+        inv = np.float32(1.0) / tot
+        o = out[t, h * D : (h + 1) * D]
+        o[:] = 0
+        for j in range(N):
+            p = s[j] * inv
+            if p != 0:
+                for d in range(D):
+                    o[d] += p * v[j, kh, d]

@@ -46,6 +46,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .matrix import Matrix
+from .simd import HAVE_AVX2, int4_row_dot
 
 __all__ = ["Int8Matrix", "Int4Matrix", "matrix_from_tensors", "DECODE_MAX_T"]
 
@@ -370,6 +371,40 @@ def _i4_mv1(packed, scales, mins, x, xs, group, out):
         out[0, r] = acc
 
 
+@njit(**_FAST)
+def _x16_quantize(x, group, xq, xd, xs):
+    """One activation row -> int16 per group of ``group`` (scale ``xd`` = max|x| / 32767, round to
+    nearest) plus the exact float32 group sums ``xs``. Rounding error <= xd / 2 per value."""
+    for g in range(x.shape[0] // group):
+        amax = np.float32(0.0)
+        s = np.float32(0.0)
+        for j in range(g * group, g * group + group):
+            amax = max(amax, abs(x[j]))
+            s += x[j]
+        xs[g] = s
+        d = amax / np.float32(32767.0)
+        xd[g] = d
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        for j in range(g * group, g * group + group):
+            xq[j] = np.int16(np.rint(x[j] * inv))
+
+
+@njit(parallel=True, **_FAST)
+def _i4_mv1_w4a16(packed, scales, mins, xq, xd, xs, group, out):
+    """T=1 with int16 activations: exact int32 sums per group via 16-bit SIMD multiply-add."""
+    n = packed.shape[0]
+    ng = scales.shape[1]
+    for r in prange(n):
+        mr = mins[r]
+        m = np.float32(0.0)
+        for g in range(ng):
+            m += _h2f(mr[g]) * xs[g]
+        if group == 32:
+            out[0, r] = int4_row_dot(packed[r], scales[r], xq, xd, 32) + m
+        else:
+            out[0, r] = int4_row_dot(packed[r], scales[r], xq, xd, 64) + m
+
+
 @njit(parallel=True, **_FAST)
 def _i4_mv4(packed, scales, mins, x, xs, group, out):
     """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
@@ -645,6 +680,12 @@ class Int4Matrix(_Quantized):
         if t == 0:
             return out
         xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
+        if t == 1 and HAVE_AVX2:
+            xq = np.empty(self.shape[1], dtype=np.int16)
+            xd = np.empty(xs.shape[1], dtype=np.float32)
+            _x16_quantize(x[0], self.group, xq, xd, xs[0])
+            _i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs[0], self.group, out)
+            return out
         _group_sums(x, self.group, xs)
         if t == 1:
             _i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out)

@@ -43,24 +43,32 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params
-        z = np.asarray(logits, dtype=np.float64).copy()
+        z = np.asarray(logits, dtype=np.float32)
         if p.repetition_penalty and p.repetition_penalty != 1.0 and history:
+            z = z.copy()
             seen = np.unique(np.asarray(history, dtype=np.int64))
             vals = z[seen]
             z[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(z))
-        probs = allowed_probs(z / p.temperature, p.top_k, p.top_p, p.min_p)
-        return int(self.rng.choice(len(probs), p=probs))
+        ids = candidates(z, p.top_k)
+        probs = allowed_probs(z[ids].astype(np.float64) / p.temperature, None, p.top_p, p.min_p)
+        return int(ids[self.rng.choice(len(probs), p=probs)])
+
+
+def candidates(z: np.ndarray, top_k: int | None) -> np.ndarray:
+    """Ids of the top-k logits (all ids that tie with the k-th too), or every id. Sampling
+    then works on these few values instead of the whole 262k vocabulary."""
+    if not top_k or top_k >= z.shape[0]:
+        return np.arange(z.shape[0])
+    kth = np.partition(z, -top_k)[-top_k]
+    return np.flatnonzero(z >= kth)
 
 
 def allowed_probs(z: np.ndarray, top_k: int | None, top_p: float | None, min_p: float | None) -> np.ndarray:
     """Softmax of ``z`` restricted by top-k, then top-p (nucleus), then min-p; renormalised."""
-    keep = np.ones(z.shape[0], dtype=bool)
-    if top_k:
-        k = min(top_k, z.shape[0])
-        kth = np.partition(z, -k)[-k]
-        keep &= z >= kth
+    keep = np.zeros(z.shape[0], dtype=bool)
+    keep[candidates(z, top_k)] = True
     probs = _softmax(np.where(keep, z, -np.inf))
     if top_p is not None and top_p < 1.0:
         order = np.argsort(-probs, kind="stable")
