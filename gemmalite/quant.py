@@ -1,8 +1,11 @@
 """Weight-only quantized matrices: int8 per output row, int4 in groups along the input.
 
-Both classes implement :class:`gemmalite.matrix.Matrix`; the math is always float32 (the
-activations are never quantized), so ``matmul(x)`` agrees with ``x @ dense().T`` to float32
-rounding and the only error is the one made once, at quantization time.
+Both classes implement :class:`gemmalite.matrix.Matrix`. Activations stay 16/32-bit: the math
+is float32, so ``matmul(x)`` agrees with ``x @ dense().T`` to float32 rounding, except int4
+decode (T=1, AVX2), which rounds ``x`` to int16 per group of the weight grid (step
+``max|x| / 32767``; W4A16, as NPUs run it) so that the products are exact 16-bit integer
+multiply-adds (:mod:`gemmalite.simd`); that rounding is ~1e4 times smaller than the int4
+weight error.
 
 Formats (what ``tensors()`` returns and ``from_tensors()`` reads; the converter stores them in
 safetensors under ``<name>.<key>``):
@@ -33,9 +36,8 @@ re-round, so dequantization error is at most ``scale/2`` for every weight inside
 Kernels: ``matmul`` with ``T <= DECODE_MAX_T`` runs fused numba kernels (``prange`` over output
 rows, weights read once for all T columns, float32 accumulation); larger T dequantizes row
 blocks into one reused float32 buffer and multiplies with BLAS. All kernels are cached on disk.
-On this 2-core machine int8 decode runs at memory bandwidth; int4 decode is bound by the nibble
-unpacking (~8 G weights/s per core), so it is about as fast as int8 per matrix while reading
-~half the bytes. Thread pools: numba's OpenMP workers and OpenBLAS's workers each spin after a
+On this 2-core machine both int8 and int4 decode run at memory bandwidth (int4 with the
+integer kernel; the portable float kernel is bound by nibble unpacking at ~6 GB/s). Thread pools: numba's OpenMP workers and OpenBLAS's workers each spin after a
 call; the engine should keep them from overlapping (e.g. ``OPENBLAS_THREAD_TIMEOUT=4``).
 """
 from __future__ import annotations
