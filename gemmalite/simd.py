@@ -17,7 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["HAVE_AVX2", "int4_row_dot"]
+__all__ = ["HAVE_AVX2", "int4_rows_dot"]
 
 HAVE_AVX2 = "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
 
@@ -39,20 +39,34 @@ def _load_vec(builder, base, index, vty):
     return builder.load(p, align=1)
 
 
-def _int4_row_dot_codegen(group: int):
+def _splat(builder, x, n):
+    v = builder.insert_element(ir.Constant(_vec(x.type, n), ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
+
+
+def _int4_rows_dot_codegen(group: int, nrows: int):
+    """IR for ``out[r0 + i] = dot(row r0 + i)``, i < nrows: the rows share each load of x
+    (with rows of 6144+ values, x no longer sits in L1 and re-reading it per row costs
+    bandwidth; several rows also keep more memory streams in flight)."""
     chunks = group // 32  # 16-byte chunks per half-group
 
     def codegen(context, builder, signature, args):
-        pty, sty, qty, dty = signature.args
-        packed = _data(context, builder, pty, args[0])
-        scales = _data(context, builder, sty, args[1])
+        pty, sty, qty, dty, _, oty = signature.args
+        pa = context.make_array(pty)(context, builder, args[0])
+        sa = context.make_array(sty)(context, builder, args[1])
         xq = _data(context, builder, qty, args[2])
         xd = _data(context, builder, dty, args[3])
-        ng = cgutils.unpack_tuple(builder, context.make_array(sty)(context, builder, args[1]).shape)[0]
+        r0 = args[4]
+        out = _data(context, builder, oty, args[5])
+        row_bytes = cgutils.unpack_tuple(builder, pa.shape)[1]
+        ng = cgutils.unpack_tuple(builder, sa.shape)[1]
         pmadd = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)]),
             "llvm.x86.avx2.pmadd.wd")
         c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        rows = [builder.add(r0, c64(i)) for i in range(nrows)]
+        prow = [builder.gep(pa.data, [builder.mul(r, row_bytes)], inbounds=True) for r in rows]
+        srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
         entry = builder.block
         head = builder.function.append_basic_block("i4dot.head")
         body = builder.function.append_basic_block("i4dot.body")
@@ -61,58 +75,68 @@ def _int4_row_dot_codegen(group: int):
 
         builder.position_at_end(head)
         g = builder.phi(_I64)
-        acc = builder.phi(_vec(_F32, 8))
         g.add_incoming(c64(0), entry)
-        acc.add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
+        accs = []
+        for _ in range(nrows):
+            acc = builder.phi(_vec(_F32, 8))
+            acc.add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
+            accs.append(acc)
         builder.cbranch(builder.icmp_signed("<", g, ng), body, done)
 
         builder.position_at_end(body)
-        isum = None
+        xs = []
         for c in range(chunks):
-            b = _load_vec(builder, packed, builder.add(builder.mul(g, c64(group // 2)), c64(16 * c)),
-                          _vec(_I8, 16))
-            w = builder.zext(b, _vec(_I16, 16))
-            lo = builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16))
-            hi = builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16))
             x0 = builder.add(builder.mul(g, c64(group)), c64(16 * c))
-            xa = _load_vec(builder, xq, x0, _vec(_I16, 16))
-            xb = _load_vec(builder, xq, builder.add(x0, c64(group // 2)), _vec(_I16, 16))
-            s = builder.add(builder.call(pmadd, [lo, xa]), builder.call(pmadd, [hi, xb]))
-            isum = s if isum is None else builder.add(isum, s)
-        half = builder.load(builder.gep(scales, [g], inbounds=True))
-        d = builder.fpext(builder.bitcast(half, ir.HalfType()), _F32)
-        d = builder.fmul(d, builder.load(builder.gep(xd, [g], inbounds=True)))
-        dv = builder.insert_element(ir.Constant(_vec(_F32, 8), ir.Undefined), d, ir.Constant(_I32, 0))
-        dv = builder.shuffle_vector(dv, dv, ir.Constant(_vec(_I32, 8), [0] * 8))
-        acc_next = builder.fadd(acc, builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), dv))
+            xs.append((_load_vec(builder, xq, x0, _vec(_I16, 16)),
+                       _load_vec(builder, xq, builder.add(x0, c64(group // 2)), _vec(_I16, 16))))
+        xdg = builder.load(builder.gep(xd, [g], inbounds=True))
+        for i in range(nrows):
+            isum = None
+            for c, (xa, xb) in enumerate(xs):
+                b = _load_vec(builder, prow[i], builder.add(builder.mul(g, c64(group // 2)), c64(16 * c)),
+                              _vec(_I8, 16))
+                w = builder.zext(b, _vec(_I16, 16))
+                lo = builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16))
+                hi = builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16))
+                s = builder.add(builder.call(pmadd, [lo, xa]), builder.call(pmadd, [hi, xb]))
+                isum = s if isum is None else builder.add(isum, s)
+            half = builder.load(builder.gep(srow[i], [g], inbounds=True))
+            d = builder.fmul(builder.fpext(builder.bitcast(half, ir.HalfType()), _F32), xdg)
+            accs[i].add_incoming(
+                builder.fadd(accs[i], builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8))),
+                body)
         g.add_incoming(builder.add(g, c64(1)), body)
-        acc.add_incoming(acc_next, body)
         builder.branch(head)
 
         builder.position_at_end(done)
-        total = builder.extract_element(acc, ir.Constant(_I32, 0))
-        for i in range(1, 8):
-            total = builder.fadd(total, builder.extract_element(acc, ir.Constant(_I32, i)))
-        return total
+        for r, acc in zip(rows, accs):
+            total = builder.extract_element(acc, ir.Constant(_I32, 0))
+            for i in range(1, 8):
+                total = builder.fadd(total, builder.extract_element(acc, ir.Constant(_I32, i)))
+            builder.store(total, builder.gep(out, [r], inbounds=True))
+        return context.get_dummy_value()
 
     return codegen
 
 
 @intrinsic
-def int4_row_dot(typingctx, packed, scales, xq, xd, group):
-    """``sum_g f16(scales[g]) * xd[g] * sum_i n[g, i] * xq[g*G + i]`` for one int4 row.
+def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, out, group, nrows):
+    """``out[r] = sum_g f16(scales[r, g]) * xd[g] * sum_i n[r, g, i] * xq[g*G + i]`` for the
+    ``nrows`` rows ``r0 .. r0 + nrows - 1`` of an int4 matrix (no ``mins`` term).
 
-    ``packed`` uint8 ``[in//2]`` (gemmalite.quant nibble order), ``scales`` uint16 float16 bits
-    ``[in//G]``, ``xq`` int16 ``[in]``, ``xd`` float32 ``[in//G]``; all C-contiguous. ``group``
-    must be a compile-time literal (32 or 64): the unrolling depends on it. The products of a
-    group are summed exactly in int32 (15 * 32767 * 64 < 2**31), then scaled in float32.
+    ``packed`` uint8 ``[out, in//2]`` (gemmalite.quant nibble order), ``scales`` uint16 float16
+    bits ``[out, in//G]``, ``xq`` int16 ``[in]``, ``xd`` float32 ``[in//G]``, ``out`` float32
+    ``[out]``; all C-contiguous. ``group`` (32 or 64) and ``nrows`` must be compile-time
+    literals (the unrolling depends on them). A group's products are summed exactly in int32
+    (15 * 32767 * 64 < 2**31), then scaled in float32.
     """
-    if not isinstance(group, types.IntegerLiteral) or group.literal_value not in (32, 64):
+    if not (isinstance(group, types.IntegerLiteral) and group.literal_value in (32, 64)
+            and isinstance(nrows, types.IntegerLiteral) and 1 <= nrows.literal_value <= 8):
         return None
-    sig = types.float32(packed, scales, xq, xd, group)
-    inner = _int4_row_dot_codegen(group.literal_value)
+    sig = types.void(packed, scales, xq, xd, r0, out, group, nrows)
+    inner = _int4_rows_dot_codegen(group.literal_value, nrows.literal_value)
 
     def codegen(context, builder, signature, args):
-        return inner(context, builder, types.float32(*signature.args[:4]), args[:4])
+        return inner(context, builder, types.void(*signature.args[:6]), args[:6])
 
     return sig, codegen

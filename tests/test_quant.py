@@ -188,6 +188,13 @@ def test_int4_matmul_and_rows(group, simd, monkeypatch):
     assert m.nbytes == 200 * 96 + 2 * 200 * ng * 2
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_four_rows_per_task_kernel(group, monkeypatch):
+    """The long-row decode kernel (four rows share each load of x), with a ragged tail."""
+    monkeypatch.setattr(quant, "LONG_ROW_I4", 0)
+    _check_matmul(Int4Matrix.quantize(_w(203, 256, seed=4), group=group))
+
+
 def test_int4_prefill_blocks(monkeypatch):
     import gemmalite.quant as quant
 
