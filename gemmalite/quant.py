@@ -1,11 +1,11 @@
 """Weight-only quantized matrices: int8 per output row, int4 in groups along the input.
 
 Both classes implement :class:`gemmalite.matrix.Matrix`. Activations stay 16/32-bit: the math
-is float32, so ``matmul(x)`` agrees with ``x @ dense().T`` to float32 rounding, except int4
-decode (T=1, AVX2), which rounds ``x`` to int16 per group of the weight grid (step
-``max|x| / 32767``; W4A16, as NPUs run it) so that the products are exact 16-bit integer
-multiply-adds (:mod:`gemmalite.simd`); that rounding is ~1e4 times smaller than the int4
-weight error.
+is float32, so ``matmul(x)`` agrees with ``x @ dense().T`` to float32 rounding, except decode
+(T=1, AVX2), which rounds ``x`` to int16 per group (the int4 grid's groups; 32 values for
+int8; step ``max|x| / 32767``: W8A16 / W4A16, as NPUs run them) so that the products are
+exact 16-bit integer multiply-adds (:mod:`gemmalite.simd`); that rounding is ~100 times
+smaller than the int8 weight error and ~1e4 times smaller than the int4 one.
 
 Formats (what ``tensors()`` returns and ``from_tensors()`` reads; the converter stores them in
 safetensors under ``<name>.<key>``):
@@ -48,7 +48,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .matrix import Matrix
-from .simd import HAVE_AVX2, int4_rows_dot
+from .simd import HAVE_AVX2, int4_rows_dot, int8_rows_dot
 
 __all__ = ["Int8Matrix", "Int4Matrix", "matrix_from_tensors", "DECODE_MAX_T"]
 
@@ -58,7 +58,7 @@ _PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per dequantized p
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
-LONG_ROW_I4 = 8192  # int4 rows at least this long: four rows per task (measured: only the 12288-wide down projections gain)
+LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections gain)
 _FAST = dict(_JIT, fastmath=True)
 
 
@@ -98,6 +98,15 @@ def _scratch_buffer(n: int) -> np.ndarray:
 def _prefill_rows(cols: int) -> int:
     b = _PREFILL_ELEMS // max(cols, 1)
     return int(min(1024, max(256, b - b % 64)))
+
+
+def _x16(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One activation row as int16 per group (see ``_x16_quantize``): values, scales, sums."""
+    xq = np.empty(x.shape[0], dtype=np.int16)
+    xd = np.empty(x.shape[0] // group, dtype=np.float32)
+    xs = np.empty(x.shape[0] // group, dtype=np.float32)
+    _x16_quantize(x, group, xq, xd, xs)
+    return xq, xd, xs
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -208,6 +217,22 @@ def _i8_mv4(q, scale, x, out):
             out[2, r] = a2 * s
         if t > 3:
             out[3, r] = a3 * s
+
+
+@njit(parallel=True, **_FAST)
+def _i8_mv1_w8a16(q, scale, xq, xd, rows_per_task, out):
+    """T=1 with int16 activations (per 32 values): exact int32 sums via 16-bit SIMD
+    multiply-add, ``rows_per_task`` (1 or 4) rows sharing each load of x."""
+    n = q.shape[0]
+    for b in prange((n + rows_per_task - 1) // rows_per_task):
+        r = b * rows_per_task
+        if rows_per_task == 4 and r + 4 <= n:
+            int8_rows_dot(q, xq, xd, r, out, 4)
+        else:
+            for i in range(r, min(n, r + rows_per_task)):
+                int8_rows_dot(q, xq, xd, i, out, 1)
+        for i in range(r, min(n, r + rows_per_task)):
+            out[i] *= scale[i]
 
 
 @njit(**_JIT)
@@ -594,7 +619,10 @@ class Int8Matrix(_Quantized):
         if t > DECODE_MAX_T:
             return self._matmul_blocked(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
-        if t == 1:
+        if t == 1 and HAVE_AVX2 and self.shape[1] % 32 == 0:
+            xq, xd, _ = _x16(x[0], 32)
+            _i8_mv1_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
+        elif t == 1:
             (_i8_mv1_rows4 if self.shape[1] >= LONG_ROW else _i8_mv1)(self.q, self.scale, x, out)
         elif t > 1:
             _i8_mv4(self.q, self.scale, x, out)
@@ -699,14 +727,12 @@ class Int4Matrix(_Quantized):
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 0:
             return out
-        xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
         if t == 1 and HAVE_AVX2:
-            xq = np.empty(self.shape[1], dtype=np.int16)
-            xd = np.empty(xs.shape[1], dtype=np.float32)
-            _x16_quantize(x[0], self.group, xq, xd, xs[0])
-            _i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs[0], self.group,
-                          4 if self.shape[1] >= LONG_ROW_I4 else 1, out[0])
+            xq, xd, xs = _x16(x[0], self.group)
+            _i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
+                          4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
             return out
+        xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
         _group_sums(x, self.group, xs)
         if t == 1:
             _i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out)

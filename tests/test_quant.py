@@ -24,12 +24,14 @@ def _w(rows, cols, seed=0, dist="normal"):
 
 
 def _activation_step(m, x):
-    """Half the int16 rounding step of each activation where the kernel quantizes them (int4,
-    T=1, AVX2: per group, step = max|x| / 32767), else 0: the kernel's only error beyond float32."""
-    if not (isinstance(m, Int4Matrix) and x.shape[0] == 1 and quant.HAVE_AVX2):
+    """Half the int16 rounding step of each activation where the kernel quantizes them (T=1 with
+    AVX2: per group of the int4 grid or of 32 for int8, step = max|x| / 32767), else 0: the
+    kernel's only error beyond float32."""
+    group = m.group if isinstance(m, Int4Matrix) else 32
+    if not (x.shape[0] == 1 and quant.HAVE_AVX2 and m.shape[1] % group == 0):
         return np.zeros_like(x)
-    amax = np.abs(x.reshape(-1, m.group)).max(1) / 32767
-    return np.repeat(amax / 2, m.group)[None, :]
+    amax = np.abs(x.reshape(-1, group)).max(1) / 32767
+    return np.repeat(amax / 2, group)[None, :]
 
 
 def _check_matmul(m, seed=1):
@@ -67,15 +69,22 @@ def test_int8_error_bound(src):
     assert np.abs(m.q).max() == 127
 
 
-def test_int8_matmul_and_rows():
-    m = Int8Matrix.quantize(_w(200, 96))
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("long_rows", [True, False])
+def test_int8_matmul_and_rows(simd, long_rows, monkeypatch):
+    if simd and not quant.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(quant, "HAVE_AVX2", simd)  # False: the portable float kernels
+    for name in ("LONG_ROW", "LONG_ROW_SIMD"):  # 4 rows per task or 1
+        monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
+    m = Int8Matrix.quantize(_w(203, 96))
     _check_matmul(m)
     d = m.dense()
-    ids = np.array([0, 199, 5, 5, 3, -1])
+    ids = np.array([0, 202, 5, 5, 3, -1])
     np.testing.assert_array_equal(m.rows(ids), d[ids])
     np.testing.assert_array_equal(d, m.scale[:, None] * m.q.astype(np.float32))
     assert m.rows(np.array([], dtype=np.int64)).shape == (0, 96)
-    assert m.nbytes == 200 * 96 + 200 * 4
+    assert m.nbytes == 203 * 96 + 203 * 4
 
 
 def test_int8_blocked_quantize_and_large_prefill(monkeypatch):
@@ -191,7 +200,7 @@ def test_int4_matmul_and_rows(group, simd, monkeypatch):
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_four_rows_per_task_kernel(group, monkeypatch):
     """The long-row decode kernel (four rows share each load of x), with a ragged tail."""
-    monkeypatch.setattr(quant, "LONG_ROW_I4", 0)
+    monkeypatch.setattr(quant, "LONG_ROW_SIMD", 0)
     _check_matmul(Int4Matrix.quantize(_w(203, 256, seed=4), group=group))
 
 
