@@ -28,6 +28,21 @@ def bf16_matmul_small(x, w, out):  # pragma: no cover - compiled
                 out[t, r] = acc
 
 
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def f32_matmul_small(x, w, out):  # pragma: no cover - compiled
+    """out[t, r] = sum_c x[t, c] * w[r, c] for a few rows of x, each weight row read once.
+    Decode runs every product on numba's threads: a BLAS call between numba kernels wakes
+    OpenBLAS's workers, and the two pools then spin against each other on the two cores."""
+    R, C = w.shape
+    T = x.shape[0]
+    for r in prange(R):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for c in range(C):
+                acc += x[t, c] * w[r, c]
+            out[t, r] = acc
+
+
 @njit(cache=True, boundscheck=False)
 def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
     """out = x / sqrt(mean(x^2) + eps) * w per row of 2-D ``x`` (``w`` empty: scale-free).

@@ -48,7 +48,7 @@ class Matrix:
 
 
 class F32Matrix(Matrix):
-    """A float32 matrix in memory: BLAS does the products."""
+    """A float32 matrix in memory: BLAS does the products, numba the few-row (decode) ones."""
 
     def __init__(self, w: np.ndarray):
         assert w.ndim == 2
@@ -63,7 +63,14 @@ class F32Matrix(Matrix):
         return self.w[np.asarray(ids, dtype=np.int64)]
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        return np.asarray(x, dtype=np.float32) @ self.w.T
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 2 and x.shape[0] <= SMALL_T and x.shape[1] == self.shape[1]:
+            from .kernels_numba import f32_matmul_small
+
+            out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+            f32_matmul_small(x, self.w, out)
+            return out
+        return x @ self.w.T
 
 
 class HalfMatrix(Matrix):
