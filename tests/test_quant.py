@@ -24,20 +24,28 @@ def _w(rows, cols, seed=0, dist="normal"):
 
 
 def _activation_step(m, x):
-    """Half the int16 rounding step of each activation where the kernel quantizes them (T=1 with
-    AVX2: per group of the int4 grid or of 32 for int8, step = max|x| / 32767), else 0: the
-    kernel's only error beyond float32."""
-    group = m.group if isinstance(m, Int4Matrix) else 32
-    if not (x.shape[0] == 1 and quant.HAVE_AVX2 and m.shape[1] % group == 0):
+    """Half the int16 rounding step of each activation where the kernel quantizes them (with
+    AVX2: T=1 per group of the int4 grid or of 32 for int8; int8 prefill per TILE_BLOCK values;
+    step = max|x| / 32767), else 0: the kernel's only error beyond float32."""
+    t, k = x.shape
+    if not quant.HAVE_AVX2:
         return np.zeros_like(x)
-    amax = np.abs(x.reshape(-1, group)).max(1) / 32767
-    return np.repeat(amax / 2, group)[None, :]
+    if isinstance(m, Int4Matrix):
+        group = m.group if t == 1 else 0
+    elif t == 1:
+        group = 32
+    else:
+        group = quant.TILE_BLOCK if t > quant.DECODE_MAX_T else 0
+    if not group or k % group:
+        return np.zeros_like(x)
+    amax = np.abs(x.reshape(t, k // group, group)).max(2) / 32767
+    return np.repeat(amax / 2, group, axis=1)
 
 
-def _check_matmul(m, seed=1):
+def _check_matmul(m, seed=1, ts=TS):
     d = m.dense()
     rng = np.random.default_rng(seed)
-    for t in TS:
+    for t in ts:
         x = rng.standard_normal((t, m.shape[1])).astype(np.float32)
         x[:, :5] *= 30  # outliers, as in real activations
         y = m.matmul(x)
@@ -98,6 +106,17 @@ def test_int8_blocked_quantize_and_large_prefill(monkeypatch):
     np.testing.assert_array_equal(m.q, ref.q)
     np.testing.assert_array_equal(m.scale, ref.scale)
     _check_matmul(m)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_int8_prefill_kernel(simd, monkeypatch):
+    """Prefill products: the int16-activation tile kernel (4x2 tiles, row / token tails,
+    several token chunks) and the dequantize + BLAS path, both within their error bounds."""
+    if simd and not quant.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(quant, "HAVE_AVX2", simd)
+    monkeypatch.setattr(quant, "TOKEN_CHUNK", 16)
+    _check_matmul(Int8Matrix.quantize(_w(203, 2 * quant.TILE_BLOCK, seed=6)), ts=(5, 17, 40))
 
 
 def test_int8_tensors_roundtrip_no_copy():
