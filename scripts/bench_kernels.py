@@ -28,9 +28,10 @@ if __name__ == "__main__":  # thread counts must be fixed before numpy / numba s
         if a == "--threads" and i + 1 < len(sys.argv) and int(sys.argv[i + 1]) > 0:
             os.environ["NUMBA_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = sys.argv[i + 1]
 
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import gemmalite  # noqa: E402,F401  (before numpy: OpenBLAS workers must not spin against numba's)
+import numpy as np  # noqa: E402
 
 from gemmalite.quant import Int4Matrix, Int8Matrix  # noqa: E402
 from gemmalite.matrix import F32Matrix  # noqa: E402
