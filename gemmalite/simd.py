@@ -18,7 +18,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["HAVE_AVX2", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot", "TILE_BLOCK"]
+__all__ = ["HAVE_AVX2", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot", "block_row_dot", "TILE_BLOCK"]
 
 HAVE_AVX2 = "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
 
@@ -45,15 +45,22 @@ def _splat(builder, x, n):
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
-def _rows_dot_codegen(group: int, nrows: int, int4: bool):
+GGML_BLOCK = {"q8_0": 34, "q5_0": 22}  # bytes per 32 values: f16 scale, [4 bytes high bits], values
+
+
+def _rows_dot_codegen(group: int, nrows: int, fmt: str):
     """IR for ``out[r0 + i] = dot(row r0 + i)``, ``i < nrows``, over groups of ``group`` values.
 
     Per group: exact int32 sums of weight * int16 activation with ``vpmaddwd``, converted once
     to float32 and scaled by ``xd[g]`` (int4: also by the group's float16 weight scale) into
     eight float32 lanes per row, summed at the end. Several rows share each load of x (with
     rows of 12288 values x no longer sits in L1, and re-reading it per row costs bandwidth).
-    Arguments: int4 ``(packed, scales, xq, xd, r0, out)``, int8 ``(q, xq, xd, r0, out)``.
+    ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, out)``), "int8" (``(q, xq, xd,
+    r0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, out)``):
+    "q8_0" (float16 scale, 32 int8) or "q5_0" (float16 scale, 32 high bits, 16 bytes of low
+    nibbles; value j = nibble | high bit << 4, minus 16; j and j + 16 share a byte).
     """
+    int4 = fmt == "int4"
     def codegen(context, builder, signature, args):
         if int4:
             pty, sty, qty, dty, _, oty = signature.args
@@ -64,7 +71,8 @@ def _rows_dot_codegen(group: int, nrows: int, int4: bool):
         else:
             pty, qty, dty, _, oty = signature.args
             wa = context.make_array(pty)(context, builder, args[0])
-            ng = builder.udiv(cgutils.unpack_tuple(builder, wa.shape)[1], ir.Constant(_I64, group))
+            ng = builder.udiv(cgutils.unpack_tuple(builder, wa.shape)[1],
+                              ir.Constant(_I64, GGML_BLOCK.get(fmt, group)))
         xq = _data(context, builder, qty, args[1])
         xd = _data(context, builder, dty, args[2])
         r0 = args[3]
@@ -113,12 +121,35 @@ def _rows_dot_codegen(group: int, nrows: int, int4: bool):
                     isum = s if isum is None else builder.add(isum, s)
                 half = builder.load(builder.gep(srow[i], [g], inbounds=True))
                 d = builder.fmul(builder.fpext(builder.bitcast(half, ir.HalfType()), _F32), xdg)
-            else:
+            elif fmt == "int8":
                 for c in range(group // 16):
                     b = _load_vec(builder, wrow[i], builder.add(xbase, c64(16 * c)), _vec(_I8, 16))
                     s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
                     isum = s if isum is None else builder.add(isum, s)
                 d = xdg
+            else:  # GGML block: float16 scale first
+                blk = builder.gep(wrow[i], [builder.mul(g, c64(GGML_BLOCK[fmt]))], inbounds=True)
+                half = builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1)
+                d = builder.fmul(builder.fpext(builder.bitcast(half, ir.HalfType()), _F32), xdg)
+                if fmt == "q8_0":
+                    for c in range(2):
+                        b = _load_vec(builder, blk, c64(2 + 16 * c), _vec(_I8, 16))
+                        s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
+                        isum = s if isum is None else builder.add(isum, s)
+                else:
+                    qh = builder.load(builder.bitcast(builder.gep(blk, [c64(2)], inbounds=True),
+                                                      _I32.as_pointer()), align=1)
+                    qh = _splat(builder, qh, 16)
+                    w = builder.zext(_load_vec(builder, blk, c64(6), _vec(_I8, 16)), _vec(_I16, 16))
+                    nib = (builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16)),
+                           builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16)))
+                    for c in range(2):
+                        bit = builder.and_(builder.lshr(qh, ir.Constant(_vec(_I32, 16), list(range(16 * c, 16 * c + 16)))),
+                                           ir.Constant(_vec(_I32, 16), [1] * 16))
+                        hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), ir.Constant(_vec(_I16, 16), [4] * 16))
+                        v = builder.sub(builder.or_(nib[c], hi), ir.Constant(_vec(_I16, 16), [16] * 16))
+                        s = builder.call(pmadd, [v, xs[c]])
+                        isum = s if isum is None else builder.add(isum, s)
             accs[i].add_incoming(
                 builder.fadd(accs[i], builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8))),
                 body)
@@ -270,3 +301,18 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
         return inner(context, builder, types.void(*signature.args[:6]), args[:6])
 
     return types.void(q, xq, xd, r0, t0, out, rt, tt), codegen
+
+
+@intrinsic
+def block_row_dot(typingctx, raw, xq, xd, r0, out, bits):
+    """``out[r] = sum_g f16(d[r, g]) * xd[g] * sum_i w[r, g, i] * xq[32g + i]`` for row ``r0`` of a
+    GGML matrix stored as raw blocks of 32 values (``raw`` uint8 ``[rows, in // 32 * block]``):
+    ``bits`` 8 for Q8_0, 5 for Q5_0 (a literal). ``xq`` int16 ``[in]``, ``xd`` float32 ``[in // 32]``."""
+    if not _literal(bits, (5, 8)):
+        return None
+    inner = _rows_dot_codegen(32, 1, "q8_0" if bits.literal_value == 8 else "q5_0")
+
+    def codegen(context, builder, signature, args):
+        return inner(context, builder, types.void(*signature.args[:5]), args[:5])
+
+    return types.void(raw, xq, xd, r0, out, bits), codegen
