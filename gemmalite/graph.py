@@ -61,6 +61,8 @@ class DecoderGraph:
         self.final_norm = final_norm
         self.ple = ple
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
+        # one thread pool per prefill: numba attention only if no product goes to BLAS
+        self._blas_free = not any(m.uses_blas for w in layers for m in _matrices(w))
 
     def new_state(self, context: int) -> KVState:
         """Empty caches: a ring of ``sliding_window`` entries per sliding layer, ``context`` per full layer."""
@@ -147,7 +149,7 @@ class DecoderGraph:
         else:
             kv = shared[spec.kv_source]
         window = cfg.sliding_window if spec.sliding else None
-        o = attention(q, kv[0], kv[1], pos, kv[2], window, cfg.attn_scale)
+        o = attention(q, kv[0], kv[1], pos, kv[2], window, cfg.attn_scale, self._blas_free)
         h = h + rms_norm(_proj(w.o, o, bias.get("o")), w.ln_post_attn, eps)
 
         m = rms_norm(h, w.ln_pre_ff, eps)
@@ -160,6 +162,10 @@ class DecoderGraph:
         if w.layer_scalar is not None:
             h = h * w.layer_scalar
         return h
+
+
+def _matrices(w: LayerWeights) -> list[Matrix]:
+    return [m for m in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, w.ple_gate, w.ple_proj) if m is not None]
 
 
 def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None) -> np.ndarray:

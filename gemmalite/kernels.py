@@ -10,9 +10,11 @@ from .kernels_numba import attention_rows, rms_norm_rows
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per attention block: bounds the score matrix in long prefills
-NUMBA_SCORES_MAX = 1 << 18  # attention with at most this many (query, key) pairs runs in numba (as
-# fast as batched BLAS up to 512 x 512 here, half as fast at 1024 x 1024): decode and prompts of
-# up to ~512 tokens then make no BLAS call, so OpenBLAS's workers never spin against numba's
+SMALL_T = 4  # attention for up to this many query rows (decode) always runs in numba
+NUMBA_SCORES_MAX = 1 << 18  # with ``blas_free``, attention with up to this many (query, key)
+# pairs runs in numba too (as fast as batched BLAS up to 512 x 512 here, half as fast at
+# 1024 x 1024): a prefill whose products make no BLAS call then makes none at all, so
+# OpenBLAS's workers never spin against numba's (and vice versa when the products use BLAS)
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -72,6 +74,7 @@ def attention(
     k_pos: np.ndarray,
     window: int | None,
     scale: float,
+    blas_free: bool = True,
 ) -> np.ndarray:
     """Causal (optionally sliding-window) GQA attention by absolute positions.
 
@@ -80,7 +83,7 @@ def attention(
     KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
     """
     T, nq, D = q.shape
-    if T * k.shape[0] <= NUMBA_SCORES_MAX:
+    if T <= SMALL_T or (blas_free and T * k.shape[0] <= NUMBA_SCORES_MAX):
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_rows(np.ascontiguousarray(q, dtype=np.float32), k, v, q_pos, k_pos,
                        window or 0, np.float32(scale), MASKED, out)

@@ -31,6 +31,7 @@ class Matrix:
     """Base class: a 2-D weight of shape ``(rows, cols)`` = ``(out, in)``."""
 
     shape: tuple[int, int]
+    uses_blas = True  # do products of many rows (prefill) call BLAS? (see DecoderGraph)
 
     @property
     def nbytes(self) -> int:  # bytes of weight data read by one full matmul

@@ -611,6 +611,10 @@ class Int8Matrix(_Quantized):
         self.scale = np.ascontiguousarray(scale)
         self.shape = q.shape
 
+    @property
+    def uses_blas(self) -> bool:
+        return not (HAVE_AVX2 and self.shape[1] % TILE_BLOCK == 0)
+
     @classmethod
     def quantize(cls, w: np.ndarray) -> "Int8Matrix":
         """Quantize a float32/bfloat16/float16 ``[out, in]`` array, QUANT_BLOCK rows at a time."""

@@ -264,7 +264,7 @@ def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, out, group, nrows):
     """
     if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, int4=True)
+    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, "int4")
 
     def codegen(context, builder, signature, args):
         return inner(context, builder, types.void(*signature.args[:6]), args[:6])
@@ -280,7 +280,7 @@ def int8_rows_dot(typingctx, q, xq, xd, r0, out, nrows):
     A group's products are summed exactly in int32 (127 * 32767 * 32 < 2**31)."""
     if not _literal(nrows, range(1, 9)):
         return None
-    inner = _rows_dot_codegen(32, nrows.literal_value, int4=False)
+    inner = _rows_dot_codegen(32, nrows.literal_value, "int8")
 
     def codegen(context, builder, signature, args):
         return inner(context, builder, types.void(*signature.args[:5]), args[:5])

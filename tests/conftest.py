@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import hf_oracle`
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# numba's on-disk cache keys a kernel on its own file only: a change in a module it inlines
+# (simd.py's IR generators) would be hidden behind a stale cached kernel. Tests compile afresh.
+os.environ.setdefault("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="gemmalite-numba-"))
 
 
 @pytest.fixture(scope="session")
