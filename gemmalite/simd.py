@@ -45,6 +45,25 @@ def _splat(builder, x, n):
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
+def _pmadd(builder):
+    """``llvm.x86.avx2.pmadd.wd``: 16 x int16 * int16, adjacent pairs summed into 8 x int32."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)]),
+        "llvm.x86.avx2.pmadd.wd")
+
+
+def _open_loop(builder, name: str):
+    """Blocks of a counted loop; leaves the builder in its header. Returns (entry, head, body,
+    done): phis take their first value from entry, the body branches back to head."""
+    entry = builder.block
+    head = builder.function.append_basic_block(f"{name}.head")
+    body = builder.function.append_basic_block(f"{name}.body")
+    done = builder.function.append_basic_block(f"{name}.done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    return entry, head, body, done
+
+
 GGML_BLOCK = {"q8_0": 34, "q5_0": 22}  # bytes per 32 values: f16 scale, [4 bytes high bits], values
 
 
@@ -78,21 +97,13 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
         r0 = args[3]
         out = _data(context, builder, oty, args[4])
         row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
-        pmadd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)]),
-            "llvm.x86.avx2.pmadd.wd")
+        pmadd = _pmadd(builder)
         c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
         rows = [builder.add(r0, c64(i)) for i in range(nrows)]
         wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
         if int4:
             srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
-        entry = builder.block
-        head = builder.function.append_basic_block("rowsdot.head")
-        body = builder.function.append_basic_block("rowsdot.body")
-        done = builder.function.append_basic_block("rowsdot.done")
-        builder.branch(head)
-
-        builder.position_at_end(head)
+        entry, head, body, done = _open_loop(builder, "rowsdot")
         g = builder.phi(_I64)
         g.add_incoming(c64(0), entry)
         accs = []
@@ -193,21 +204,13 @@ def _tile_dot_codegen(rt: int, tt: int):
         n, k = cgutils.unpack_tuple(builder, qa.shape)
         nkb = cgutils.unpack_tuple(builder, da.shape)[1]
         c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-        pmadd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16), _vec(_I16, 16)]),
-            "llvm.x86.avx2.pmadd.wd")
+        pmadd = _pmadd(builder)
         rows = [builder.add(r0, c64(i)) for i in range(rt)]
         toks = [builder.add(t0, c64(j)) for j in range(tt)]
         wrow = [builder.gep(qa.data, [builder.mul(r, k)], inbounds=True) for r in rows]
         xrow = [builder.gep(xa.data, [builder.mul(t, k)], inbounds=True) for t in toks]
         drow = [builder.gep(da.data, [builder.mul(t, nkb)], inbounds=True) for t in toks]
-        entry = builder.block
-        head = builder.function.append_basic_block("tile.head")
-        body = builder.function.append_basic_block("tile.body")
-        done = builder.function.append_basic_block("tile.done")
-        builder.branch(head)
-
-        builder.position_at_end(head)
+        entry, head, body, done = _open_loop(builder, "tile")
         kb = builder.phi(_I64)
         kb.add_incoming(c64(0), entry)
         facc = {}
