@@ -81,6 +81,8 @@ def attention(
     q ``[T, nq, D]``; k, v ``[N, kv, D]``; key ``j`` is visible to query ``i`` iff
     ``0 <= pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window``. Returns ``[T, nq*D]``.
     KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
+    ``blas_free``: the caller's products make no BLAS call, so moderate prefills run in numba
+    too (see NUMBA_SCORES_MAX); decode rows always do.
     """
     T, nq, D = q.shape
     if T <= SMALL_T or (blas_free and T * k.shape[0] <= NUMBA_SCORES_MAX):
