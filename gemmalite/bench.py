@@ -22,11 +22,7 @@ def weight_bytes_per_token(model) -> int:
     total = model.lm_head.nbytes
     if g.ple is not None:
         total += g.ple.projection.nbytes
-    for w in g.layers:
-        for m in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, w.ple_gate, w.ple_proj):
-            if m is not None:
-                total += m.nbytes
-    return total
+    return total + sum(m.nbytes for w in g.layers for m in w.matrices())
 
 
 def peak_rss_bytes() -> int:

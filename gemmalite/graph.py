@@ -45,6 +45,11 @@ class LayerWeights:
     ple_norm: np.ndarray | None = None
     layer_scalar: np.float32 | None = None
 
+    def matrices(self) -> list[Matrix]:
+        """Every projection of the layer (those it has), in the order a decode step reads them."""
+        return [m for m in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down,
+                            self.ple_gate, self.ple_proj) if m is not None]
+
 
 @dataclass
 class PLEWeights:
@@ -62,7 +67,7 @@ class DecoderGraph:
         self.ple = ple
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
         # one thread pool per prefill: numba attention only if no product goes to BLAS
-        self._blas_free = not any(m.uses_blas for w in layers for m in _matrices(w))
+        self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
 
     def new_state(self, context: int) -> KVState:
         """Empty caches: a ring of ``sliding_window`` entries per sliding layer, ``context`` per full layer."""
@@ -162,10 +167,6 @@ class DecoderGraph:
         if w.layer_scalar is not None:
             h = h * w.layer_scalar
         return h
-
-
-def _matrices(w: LayerWeights) -> list[Matrix]:
-    return [m for m in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down, w.ple_gate, w.ple_proj) if m is not None]
 
 
 def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None) -> np.ndarray:

@@ -613,6 +613,7 @@ class Int8Matrix(_Quantized):
 
     @property
     def uses_blas(self) -> bool:
+        """Prefill takes the integer tiles where they apply, else dequantize + BLAS."""
         return not (HAVE_AVX2 and self.shape[1] % TILE_BLOCK == 0)
 
     @classmethod
@@ -655,9 +656,7 @@ class Int8Matrix(_Quantized):
         x = _check_x(x, self.shape[1])
         t = x.shape[0]
         if t > DECODE_MAX_T:
-            if HAVE_AVX2 and self.shape[1] % TILE_BLOCK == 0:
-                return self._matmul_w8a16(x)
-            return self._matmul_blocked(x)
+            return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 1 and HAVE_AVX2 and self.shape[1] % 32 == 0:
             xq, xd, _ = _x16(x[0], 32)
