@@ -32,7 +32,7 @@ import numpy as np
 from numba import literally, njit, prange
 
 from .matrix import BF16, Matrix
-from .simd import HAVE_AVX2, block_row_dot
+from .simd import HAVE_AVX2, block_row_dot, int16_activations
 
 QK_K = 256
 # The fused kernel is used for T <= 4 input rows always, and up to FUSED_MAX_T rows while x
@@ -436,9 +436,7 @@ class GGMLMatrix(Matrix):
         if self.qtype == "F32":
             out = x2 @ self._w.T
         elif self.qtype in ("Q8_0", "Q5_0") and n_t == 1 and HAVE_AVX2:
-            from .quant import _x16
-
-            xq, xd, _ = _x16(x2[0], 32)
+            xq, xd, _ = int16_activations(x2[0], 32)
             out = np.empty((1, self.shape[0]), dtype=np.float32)
             _block_mv1_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out[0])
         elif self._k is not None and self._fused(n_t):

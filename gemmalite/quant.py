@@ -51,7 +51,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .matrix import Matrix
-from .simd import HAVE_AVX2, TILE_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot
+from .simd import (HAVE_AVX2, TILE_BLOCK, int16_activations, int4_rows_dot, int8_rows_dot, int8_tile_dot,
+                   round_int16)
 
 __all__ = ["Int8Matrix", "Int4Matrix", "matrix_from_tensors", "DECODE_MAX_T"]
 
@@ -102,15 +103,6 @@ def _scratch_buffer(n: int) -> np.ndarray:
 def _prefill_rows(cols: int) -> int:
     b = _PREFILL_ELEMS // max(cols, 1)
     return int(min(1024, max(256, b - b % 64)))
-
-
-def _x16(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One activation row as int16 per group (see ``_x16_quantize``): values, scales, sums."""
-    xq = np.empty(x.shape[0], dtype=np.int16)
-    xd = np.empty(x.shape[0] // group, dtype=np.float32)
-    xs = np.empty(x.shape[0] // group, dtype=np.float32)
-    _x16_quantize(x, group, xq, xd, xs)
-    return xq, xd, xs
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -240,11 +232,11 @@ def _i8_mv1_w8a16(q, scale, xq, xd, rows_per_task, out):
 
 
 @njit(parallel=True, **_FAST)
-def _x16_quantize_rows(x, block, xq, xd):
-    """``_x16_quantize`` for every row of ``x`` (prefill activations), in parallel."""
+def _round_int16_rows(x, block, xq, xd):
+    """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel."""
     for t in prange(x.shape[0]):
         xs = np.empty(xd.shape[1], dtype=np.float32)
-        _x16_quantize(x[t], block, xq[t], xd[t], xs)
+        round_int16(x[t], block, xq[t], xd[t], xs)
 
 
 @njit(parallel=True, **_FAST)
@@ -431,24 +423,6 @@ def _i4_mv1(packed, scales, mins, x, xs, group, out):
                 s += lo * xa[j] + hi * xb[j]
             acc += _h2f(sr[g]) * s + _h2f(mr[g]) * xs0[g]
         out[0, r] = acc
-
-
-@njit(**_FAST)
-def _x16_quantize(x, group, xq, xd, xs):
-    """One activation row -> int16 per group of ``group`` (scale ``xd`` = max|x| / 32767, round to
-    nearest) plus the exact float32 group sums ``xs``. Rounding error <= xd / 2 per value."""
-    for g in range(x.shape[0] // group):
-        amax = np.float32(0.0)
-        s = np.float32(0.0)
-        for j in range(g * group, g * group + group):
-            amax = max(amax, abs(x[j]))
-            s += x[j]
-        xs[g] = s
-        d = amax / np.float32(32767.0)
-        xd[g] = d
-        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-        for j in range(g * group, g * group + group):
-            xq[j] = np.int16(np.rint(x[j] * inv))
 
 
 @njit(inline="always", **_FAST)
@@ -659,7 +633,7 @@ class Int8Matrix(_Quantized):
             return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 1 and HAVE_AVX2 and self.shape[1] % 32 == 0:
-            xq, xd, _ = _x16(x[0], 32)
+            xq, xd, _ = int16_activations(x[0], 32)
             _i8_mv1_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
         elif t == 1:
             (_i8_mv1_rows4 if self.shape[1] >= LONG_ROW else _i8_mv1)(self.q, self.scale, x, out)
@@ -673,7 +647,7 @@ class Int8Matrix(_Quantized):
         t, k = x.shape
         xq = np.empty((t, k), dtype=np.int16)
         xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
-        _x16_quantize_rows(x, TILE_BLOCK, xq, xd)
+        _round_int16_rows(x, TILE_BLOCK, xq, xd)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
             t1 = min(t, t0 + TOKEN_CHUNK)
@@ -780,7 +754,7 @@ class Int4Matrix(_Quantized):
         if t == 0:
             return out
         if t == 1 and HAVE_AVX2:
-            xq, xd, xs = _x16(x[0], self.group)
+            xq, xd, xs = int16_activations(x[0], self.group)
             _i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
                           4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
             return out
