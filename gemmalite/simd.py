@@ -75,6 +75,19 @@ def _splat(builder, x, n):
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
+def _half_to_f32(builder, bits):
+    """float16 bits (i16) -> float32."""
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+
+def _hsum(builder, v):
+    """Sum of the lanes of a float vector (once per output value, so a plain chain)."""
+    total = builder.extract_element(v, ir.Constant(_I32, 0))
+    for lane in range(1, v.type.count):
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, lane)))
+    return total
+
+
 def _pmadd(builder):
     """``llvm.x86.avx2.pmadd.wd``: 16 x int16 * int16, adjacent pairs summed into 8 x int32."""
     return cgutils.get_or_insert_function(
@@ -147,6 +160,16 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
         xbase = builder.mul(g, c64(group))
         xs = [_load_vec(builder, xq, builder.add(xbase, c64(16 * j)), _vec(_I16, 16))
               for j in range(group // 16)]
+
+        def int8_group(ptr, start):
+            """int32 lane sums of ``group`` int8 weights from ``ptr[start:]`` times the group's x."""
+            isum = None
+            for c in range(group // 16):
+                b = _load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16))
+                s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
+                isum = s if isum is None else builder.add(isum, s)
+            return isum
+
         xdg = builder.load(builder.gep(xd, [g], inbounds=True))
         for i in range(nrows):
             isum = None
@@ -160,23 +183,16 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
                     s = builder.add(builder.call(pmadd, [lo, xs[c]]),
                                     builder.call(pmadd, [hi, xs[c + group // 32]]))
                     isum = s if isum is None else builder.add(isum, s)
-                half = builder.load(builder.gep(srow[i], [g], inbounds=True))
-                d = builder.fmul(builder.fpext(builder.bitcast(half, ir.HalfType()), _F32), xdg)
+                d = builder.fmul(_half_to_f32(builder, builder.load(builder.gep(srow[i], [g], inbounds=True))), xdg)
             elif fmt == "int8":
-                for c in range(group // 16):
-                    b = _load_vec(builder, wrow[i], builder.add(xbase, c64(16 * c)), _vec(_I8, 16))
-                    s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
-                    isum = s if isum is None else builder.add(isum, s)
+                isum = int8_group(wrow[i], xbase)
                 d = xdg
             else:  # GGML block: float16 scale first
                 blk = builder.gep(wrow[i], [builder.mul(g, c64(GGML_BLOCK[fmt]))], inbounds=True)
                 half = builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1)
-                d = builder.fmul(builder.fpext(builder.bitcast(half, ir.HalfType()), _F32), xdg)
+                d = builder.fmul(_half_to_f32(builder, half), xdg)
                 if fmt == "q8_0":
-                    for c in range(2):
-                        b = _load_vec(builder, blk, c64(2 + 16 * c), _vec(_I8, 16))
-                        s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
-                        isum = s if isum is None else builder.add(isum, s)
+                    isum = int8_group(blk, c64(2))
                 else:
                     qh = builder.load(builder.bitcast(builder.gep(blk, [c64(2)], inbounds=True),
                                                       _I32.as_pointer()), align=1)
@@ -199,10 +215,7 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
 
         builder.position_at_end(done)
         for r, acc in zip(rows, accs):
-            total = builder.extract_element(acc, ir.Constant(_I32, 0))
-            for i in range(1, 8):
-                total = builder.fadd(total, builder.extract_element(acc, ir.Constant(_I32, i)))
-            builder.store(total, builder.gep(out, [r], inbounds=True))
+            builder.store(_hsum(builder, acc), builder.gep(out, [r], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
@@ -271,10 +284,8 @@ def _tile_dot_codegen(rt: int, tt: int):
 
         builder.position_at_end(done)
         for (i, j), lanes in facc.items():
-            total = builder.extract_element(lanes, ir.Constant(_I32, 0))
-            for lane in range(1, 8):
-                total = builder.fadd(total, builder.extract_element(lanes, ir.Constant(_I32, lane)))
-            builder.store(total, builder.gep(oa.data, [builder.add(builder.mul(toks[j], n), rows[i])], inbounds=True))
+            builder.store(_hsum(builder, lanes),
+                          builder.gep(oa.data, [builder.add(builder.mul(toks[j], n), rows[i])], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
@@ -282,6 +293,14 @@ def _tile_dot_codegen(rt: int, tt: int):
 
 def _literal(t, allowed) -> bool:
     return isinstance(t, types.IntegerLiteral) and t.literal_value in allowed
+
+
+def _first_args(inner, n: int):
+    """Codegen that hands ``inner`` only the first ``n`` arguments (the rest are literals)."""
+    def codegen(context, builder, signature, args):
+        return inner(context, builder, types.void(*signature.args[:n]), args[:n])
+
+    return codegen
 
 
 @intrinsic
@@ -298,11 +317,7 @@ def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, out, group, nrows):
     if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9))):
         return None
     inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, "int4")
-
-    def codegen(context, builder, signature, args):
-        return inner(context, builder, types.void(*signature.args[:6]), args[:6])
-
-    return types.void(packed, scales, xq, xd, r0, out, group, nrows), codegen
+    return types.void(packed, scales, xq, xd, r0, out, group, nrows), _first_args(inner, 6)
 
 
 @intrinsic
@@ -314,11 +329,7 @@ def int8_rows_dot(typingctx, q, xq, xd, r0, out, nrows):
     if not _literal(nrows, range(1, 9)):
         return None
     inner = _rows_dot_codegen(32, nrows.literal_value, "int8")
-
-    def codegen(context, builder, signature, args):
-        return inner(context, builder, types.void(*signature.args[:5]), args[:5])
-
-    return types.void(q, xq, xd, r0, out, nrows), codegen
+    return types.void(q, xq, xd, r0, out, nrows), _first_args(inner, 5)
 
 
 @intrinsic
@@ -329,11 +340,7 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
     if not (_literal(rt, range(1, 5)) and _literal(tt, range(1, 5))):
         return None
     inner = _tile_dot_codegen(rt.literal_value, tt.literal_value)
-
-    def codegen(context, builder, signature, args):
-        return inner(context, builder, types.void(*signature.args[:6]), args[:6])
-
-    return types.void(q, xq, xd, r0, t0, out, rt, tt), codegen
+    return types.void(q, xq, xd, r0, t0, out, rt, tt), _first_args(inner, 6)
 
 
 @intrinsic
@@ -344,8 +351,4 @@ def block_row_dot(typingctx, raw, xq, xd, r0, out, bits):
     if not _literal(bits, (5, 8)):
         return None
     inner = _rows_dot_codegen(32, 1, "q8_0" if bits.literal_value == 8 else "q5_0")
-
-    def codegen(context, builder, signature, args):
-        return inner(context, builder, types.void(*signature.args[:5]), args[:5])
-
-    return types.void(raw, xq, xd, r0, out, bits), codegen
+    return types.void(raw, xq, xd, r0, out, bits), _first_args(inner, 5)
