@@ -65,14 +65,13 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
                 out[r, c] = x[r, c] * inv
 
 
-
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out):  # pragma: no cover - compiled
-    """Attention for a few query rows (decode): one task per (row, query head), no BLAS call.
+    """Attention without BLAS (decode rows, moderate prefills): one task per (row, query head).
 
     Same math as kernels.attention (scores * scale, finite mask, max-subtracted softmax,
-    weighted sum of V); ``window`` 0 means no sliding window. In the decode loop this keeps
-    OpenBLAS's worker threads asleep, so they never spin against numba's."""
+    weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's worker
+    threads asleep, so they never spin against numba's."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv

@@ -52,7 +52,7 @@ class Sampler:
         if p.greedy:
             return int(np.argmax(z))
         ids = candidates(z, p.top_k)
-        probs = allowed_probs(z[ids].astype(np.float64) / p.temperature, None, p.top_p, p.min_p)
+        probs = allowed_probs(z[ids].astype(np.float64) / p.temperature, p.top_p, p.min_p)
         return int(ids[self.rng.choice(len(probs), p=probs)])
 
 
@@ -65,11 +65,11 @@ def candidates(z: np.ndarray, top_k: int | None) -> np.ndarray:
     return np.flatnonzero(z >= kth)
 
 
-def allowed_probs(z: np.ndarray, top_k: int | None, top_p: float | None, min_p: float | None) -> np.ndarray:
-    """Softmax of ``z`` restricted by top-k, then top-p (nucleus), then min-p; renormalised."""
-    keep = np.zeros(z.shape[0], dtype=bool)
-    keep[candidates(z, top_k)] = True
-    probs = _softmax(np.where(keep, z, -np.inf))
+def allowed_probs(z: np.ndarray, top_p: float | None, min_p: float | None) -> np.ndarray:
+    """Softmax of ``z`` (the top-k candidates' logits) restricted by top-p (nucleus), then
+    min-p; renormalised."""
+    keep = np.ones(z.shape[0], dtype=bool)
+    probs = _softmax(z)
     if top_p is not None and top_p < 1.0:
         order = np.argsort(-probs, kind="stable")
         cum = np.cumsum(probs[order])
