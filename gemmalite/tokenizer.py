@@ -173,46 +173,6 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
     return Tokenizer(tk, chat_template=template, special_tokens=special, add_bos=conf.get("add_bos_token", True))
 
 
-def tokenizer_from_gguf_file(path: Path) -> Tokenizer:
-    """The tokenizer stored in a GGUF file's metadata (a vocabulary-only GGUF too)."""
-    from .gguf import read_gguf
-
-    return tokenizer_from_gguf_metadata(read_gguf(path, load_tensors=False).metadata)
-
-
-def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer:
-    """The tokenizer a GGUF file's (already parsed) metadata describes."""
-    from .gguf_tokenizer import tokenizer_from_gguf
-
-    tk, info = tokenizer_from_gguf(meta)
-    special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
-               if info.get(k + "_token_id") is not None}
-    return Tokenizer(tk, chat_template=info.get("chat_template"), add_bos=info.get("add_bos", True),
-                     special_tokens={k + "_token": v for k, v in special.items() if v is not None})
-
-
-def load_tokenizer_any(path: str | Path) -> Tokenizer:
-    """A tokenizer.json file, a checkpoint folder, or a GGUF file."""
-    p = Path(path)
-    if p.is_dir():
-        tok = load_tokenizer_folder(p)
-        if tok is None:
-            raise TokenizerError(f"{p}: no tokenizer.json in this folder")
-        return tok
-    if p.suffix == ".gguf" or (p.is_file() and p.read_bytes()[:4] == b"GGUF"):
-        return tokenizer_from_gguf_file(p)
-    if p.is_file():
-        tmp = load_tokenizer_folder(p.parent) if p.name == "tokenizer.json" else None
-        if tmp is not None:
-            return tmp
-        try:
-            return Tokenizer(HFTokenizer.from_file(str(p)), special_tokens={"bos_token": "<bos>", "eos_token": "<eos>"},
-                             add_bos=True)
-        except Exception as e:
-            raise TokenizerError(f"{p}: cannot be read as tokenizer.json ({e})") from None
-    raise TokenizerError(f"{p}: no such tokenizer file or folder")
-
-
 def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (Hugging Face layout)."""
     tok.tk.save(str(out / "tokenizer.json"))
@@ -234,17 +194,3 @@ def fallback_tokenizer() -> Tokenizer:
     tk.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>")])
     return Tokenizer(tk, chat_template=GEMMA4_FALLBACK_TEMPLATE, special_tokens={"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, add_bos=True)
-
-
-def export_tokenizer(src: str | Path | None, out: Path) -> None:
-    """Give a checkpoint folder tokenizer files: from ``src`` (tokenizer.json, folder or GGUF), else
-    the real Gemma 4 vocabulary bundled with the package, else a byte-level fallback."""
-    if src is None:
-        try:
-            from .gguf_tokenizer import gemma4_tokenizer_gguf_path
-
-            src = gemma4_tokenizer_gguf_path()
-        except (ImportError, FileNotFoundError):
-            src = None
-    tok = load_tokenizer_any(src) if src is not None else fallback_tokenizer()
-    save_tokenizer(tok, out)

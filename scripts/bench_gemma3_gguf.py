@@ -36,7 +36,7 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 def prompt_ids(n: int) -> list[int]:
     sys.path.insert(0, str(ROOT))
     import gemmalite
-    from gemmalite.tokenizer import tokenizer_from_gguf_file
+    from gemmalite.formats.gguf_tokenizer import tokenizer_from_gguf_file
 
     ids = tokenizer_from_gguf_file(gemmalite.loader.resolve("gemma3-270m")).encode(TEXT)
     if len(ids) < n:
@@ -47,7 +47,7 @@ def prompt_ids(n: int) -> list[int]:
 def bench_gemmalite(ids: list[int], new_tokens: int, runs: int, threads: int) -> dict:
     import gemmalite  # first: it configures OpenBLAS threads before numpy loads it
     import numba
-    from gemmalite.bench import run_once
+    from gemmalite.tools.bench import run_once
 
     numba.set_num_threads(threads)
     t0 = time.perf_counter()

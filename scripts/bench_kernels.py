@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gemmalite  # noqa: E402,F401  (before numpy: OpenBLAS workers must not spin against numba's)
 import numpy as np  # noqa: E402
 
-from gemmalite.quant import Int4Matrix, Int8Matrix  # noqa: E402
-from gemmalite.matrix import F32Matrix  # noqa: E402
+from gemmalite.weights.quant import Int4Matrix, Int8Matrix  # noqa: E402
+from gemmalite.weights.matrix import F32Matrix  # noqa: E402
 
 SHAPES = [  # (rows=out, cols=in, label)
     (6144, 1536, "1536->6144 (gate/up)"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 import gemmalite
-from gemmalite.synth import synth
+from gemmalite.tools.synth import synth
 
 converter = sys.argv[1]
 with tempfile.TemporaryDirectory() as d:

@@ -20,7 +20,7 @@ through transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint (transform
   because llama.cpp multiplies by the stored factor, while HF's Gemma3RMSNorm computes
   ``x * (1 + w)``. For the stored g (all >= 0.5 here), ``g - 1`` and then ``1 + (g - 1)`` are
   exact in float32, so the model multiplies by exactly the stored factor, as gemmalite does
-  (gemmalite.gguf.norm_offset);
+  (gemmalite.formats.gguf_gemma.norm_offset);
 * no q/k permutation (that is only done for llama-architecture files; gemma uses NEOX RoPE);
   the token embedding (Q8_0) is also the tied LM head;
 * the config: hidden 640, 18 layers, 4 heads / 1 KV head, head_dim 256, sliding window 512,
@@ -89,7 +89,7 @@ def gguf_path() -> Path:
 
 def gemmalite_ids(path: Path, texts: list[str]) -> list[list[int]]:
     """gemmalite's tokenizer alone (no weights loaded)."""
-    from gemmalite.tokenizer import tokenizer_from_gguf_file
+    from gemmalite.formats.gguf_tokenizer import tokenizer_from_gguf_file
 
     tok = tokenizer_from_gguf_file(path)
     return [tok.encode(t) for t in texts]

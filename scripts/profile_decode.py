@@ -14,7 +14,7 @@ import time
 
 import gemmalite  # first: sets the BLAS thread timeout before numpy starts
 import numpy as np
-from gemmalite import ggml, matrix, quant
+from gemmalite.weights import ggml, matrix, quant
 
 
 def main() -> None:
@@ -38,12 +38,13 @@ def main() -> None:
                 s[2] = self.nbytes
             return y
         cls.matmul = timed
-    state = m.new_state()
-    h = m._forward(state, np.asarray(ids), keep=np.array([len(ids) - 1]))  # prefill, not counted
+    engine = m.engine
+    state = engine.new_state()
+    logits = engine.logits(engine.prefill(state, np.asarray(ids)))[0]  # prefill, not counted
     stats.clear()
     t = time.perf_counter()
     for _ in range(a.tokens):  # greedy decode steps, as `gemmalite bench` times them
-        h = m._forward(state, np.array([int(np.argmax(m._logits(h)[0]))]))
+        logits = engine.decode_step(state, int(np.argmax(logits)))
     n = a.tokens
     step = (time.perf_counter() - t) / n
     for (kind, shape), (calls, sec, nbytes) in sorted(stats.items(), key=lambda kv: -kv[1][1]):

@@ -1,0 +1,99 @@
+"""`gemmalite run` and `gemmalite chat`: text generation from the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the checkpoint's generation_config)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint folder or .gguf file")
+    p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
+    p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
+
+
+def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
+
+
+def load_model(a: argparse.Namespace):
+    import gemmalite
+
+    return gemmalite.load(a.model, context=a.context, quant=a.quant)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    model = load_model(a)
+    kw = _gen_kwargs(a)
+    use_chat = not a.raw and model.tokenizer.chat_template is not None
+    t0 = time.perf_counter()
+    pieces = model.chat([{"role": "user", "content": a.prompt}], stream=True, **kw) if use_chat else \
+        model.generate(a.prompt, stream=True, **kw)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if a.verbose:
+        st = pieces.stats
+        print(f"[{st.prompt_tokens} prompt tokens: {st.prefill_s:.2f} s; {st.new_tokens} new tokens: "
+              f"{st.decode_s:.2f} s; total {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    model = load_model(a)
+    kw = _gen_kwargs(a)
+    messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+    print("gemmalite chat: type a message; /reset starts over, /quit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            model.reset_chat()
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in model.chat(messages, stream=True, **kw):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reply.append(piece)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate a reply to PROMPT, streamed to stdout")
+    load_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="continue the prompt text as is (no chat template)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    _sampling_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    load_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    _sampling_args(p)
+    p.set_defaults(func=cmd_chat)

@@ -1,0 +1,83 @@
+"""`gemmalite inspect / synth / convert / bench`: look into, make, quantize and time checkpoints."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .generate import load_args, load_model
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from ..tools.inspect import describe
+
+    print(describe(load_model(a)))
+    return 0
+
+
+def cmd_synth(a: argparse.Namespace) -> int:
+    from ..tools.synth import synth
+
+    out = synth(a.preset, a.out, tokenizer=a.tokenizer, layout=a.layout, seed=a.seed, progress=not a.quiet)
+    print(f"wrote {a.preset} checkpoint to {out}")
+    return 0
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from ..tools.convert import convert
+
+    convert(a.model, a.out, a.quant, progress=not a.quiet)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.threads:
+        import numba
+
+        numba.set_num_threads(a.threads)
+        try:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(a.threads)
+        except ImportError:
+            pass
+    from ..tools.bench import bench, format_table
+
+    r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
+              context=a.context, progress=not a.json)
+    print(json.dumps(r) if a.json else format_table(r))
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="config summary, parameter counts and bytes per part")
+    load_args(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("synth", help="write a random-weight checkpoint of a real shape")
+    p.add_argument("--preset", choices=["tiny", "e2b", "e4b"], required=True)
+    p.add_argument("out")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json, checkpoint folder or GGUF vocabulary")
+    p.add_argument("--layout", choices=["conditional", "causal"], default="conditional",
+                   help="Gemma4ForConditionalGeneration (published) or Gemma4ForCausalLM key layout")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("convert", help="write an int8/int4 checkpoint that loads instantly")
+    p.add_argument("model", help="Hugging Face checkpoint folder")
+    p.add_argument("out")
+    p.add_argument("--quant", choices=["int8", "int4"], required=True)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory")
+    p.add_argument("model")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--quant", choices=["int8", "int4"], default=None)
+    p.add_argument("--context", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,1 @@
+"""On-disk formats: safetensors files, Hugging Face folders, GGUF files, gemmalite's quantized checkpoints."""

@@ -1,0 +1,73 @@
+"""Hugging Face checkpoint folders: config.json plus (sharded) safetensors, memory-mapped in
+their stored dtype, with the text model's tensors named relative to their prefix."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError
+from ..models.gemma.config import ModelConfig
+from .converted import assemble
+from .safetensors import read_safetensors
+
+TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        files = [folder / n for n in names]
+        missing = [str(p) for p in files if not p.exists()]
+        if missing:
+            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files")
+    return files
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{folder}: config.json is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
+    """Config and text tensors (prefix stripped, memory-mapped) of a checkpoint folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a checkpoint folder")
+    raw = read_config(folder)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    tensors: dict[str, np.ndarray] = {}
+    for f in safetensors_files(folder):
+        tensors.update(read_safetensors(f))
+    tensors = strip_prefix(tensors)
+    if isinstance(raw.get("quantization_config"), dict):  # written by `gemmalite convert`
+        tensors = assemble(tensors, raw["quantization_config"])
+    return cfg, tensors, raw
+
+
+def strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Keep the text-decoder tensors, named relative to their prefix (plus an untied lm_head)."""
+    for p in TEXT_PREFIXES:
+        if p + "embed_tokens.weight" in tensors:
+            out = {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
+            if "lm_head.weight" in tensors:
+                out["lm_head.weight"] = tensors["lm_head.weight"]
+            return out
+    raise CheckpointError("no embed_tokens.weight under any known prefix (" + ", ".join(repr(p) for p in TEXT_PREFIXES) + ")")

@@ -1,0 +1,183 @@
+"""A `tokenizers.Tokenizer` built from GGUF tokenizer metadata, reproducing llama.cpp's ids.
+
+llama.cpp (src/llama-vocab.cpp) tokenizes in two steps, both mirrored here:
+
+1. *Special partition*: every token typed CONTROL, USER_DEFINED or UNKNOWN is cut out of the raw
+   text first (``parse_special=True``). Here they are added tokens matched on the raw text
+   (``normalized=False``): control/unknown ones special, user-defined ones not. (llama.cpp
+   cuts the longest tokens first everywhere, tokenizers matches leftmost-longest; they differ
+   only when two such tokens overlap in the text, and in the Gemma vocabularies none can except
+   runs of one character -- newlines, spaces, tabs -- where both give the same pieces.)
+2. Each remaining fragment, with every ``' '`` replaced by ``'▁'``:
+
+   * ``tokenizer.ggml.model == "llama"`` (Gemma 3, SentencePiece): llama.cpp's SPM session
+     merges, over and over, the adjacent pair whose concatenation is the highest-*score* token
+     (ties: leftmost); characters left without a token become ``<0xNN>`` byte tokens. That is
+     BPE with one merge rule per way of splitting a vocabulary token into two vocabulary
+     tokens, ranked by the score of the result; no pre-splitting, byte fallback.
+   * ``"gemma4"`` (BPE): the fragment is split into runs of newlines and runs of anything
+     else; a newline run that is a token is taken whole, everything else goes through the
+     file's merges (ranked by position), with ``<0xNN>`` byte fallback. That is a ``\\n+``
+     split and BPE with byte fallback: the merges already build every newline-run token
+     (1 to 31 newlines) whole, so no whole-word lookup is needed -- and none may be used,
+     since some tokens (``[multimodal]``) are in the vocabulary but unreachable by merges,
+     and llama.cpp spells them out piece by piece.
+
+BOS is prepended when the file says so (llama.cpp forces it on for gemma4).
+"""
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from ..tokenizer import Tokenizer as GemmaTokenizer
+from .gguf import read_gguf
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# llama.cpp marks these end-of-generation by their text (llama_vocab::impl::load)
+_EOG_TEXTS = ("<end_of_turn>", "<eos>", "<turn|>", "<|tool_response>")
+_DATA = Path(__file__).resolve().parent.parent / "data"
+GEMMA4_VOCAB_XZ = _DATA / "gemma4-vocab.gguf.xz"
+
+
+def _spm_merges(tokens: list[str], scores: np.ndarray, types: np.ndarray) -> list[tuple[str, str]]:
+    """Merge rules equivalent to llama.cpp's score-driven SPM merging (see module doc)."""
+    vocab = set(tokens)
+    ranked = []
+    for tid, tok in enumerate(tokens):
+        if types[tid] != NORMAL or len(tok) < 2:
+            continue
+        s = float(scores[tid])
+        for k in range(1, len(tok)):
+            a, b = tok[:k], tok[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-s, tid, k, a, b))
+    ranked.sort()
+    return [(a, b) for _, _, _, a, b in ranked]
+
+
+def _bpe_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The file's merges split as llama.cpp does (at the first space after position 0)."""
+    out = []
+    for m in merges:
+        pos = m.find(" ", 1)
+        if pos < 0:
+            continue
+        a, b = m[:pos], m[pos + 1:]
+        if a in vocab and b in vocab and a + b in vocab:  # tokenizers rejects anything else
+            out.append((a, b))
+    return out
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
+    """Build the tokenizer a GGUF file's metadata describes, plus facts the runtime needs:
+    ``bos/eos/pad/unk_token_id``, ``add_bos``, ``add_eos``, ``eog_token_ids`` (llama.cpp's
+    end-of-generation set), ``chat_template`` and ``model`` ("llama" or "gemma4")."""
+    model = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    n = len(tokens)
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int64)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != n:  # duplicates: keep the first id, as llama.cpp's token_to_id does
+        vocab = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+    if model == "llama":
+        scores = np.asarray(meta.get("tokenizer.ggml.scores", -np.arange(n, dtype=np.float32)))
+        merges, pre = _spm_merges(tokens, scores, types), None
+    elif model == "gemma4":
+        merges = _bpe_merges(list(meta["tokenizer.ggml.merges"]), vocab)
+        pre = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {model!r} (expected 'llama' or 'gemma4')")
+
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                        unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=False))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    if model == "llama" and meta.get("tokenizer.ggml.add_space_prefix", False):
+        # llama.cpp prefixes a space to every text fragment that starts the input or follows a
+        # special token: exactly the pieces the added tokens leave to the normalizer
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), tok.normalizer])
+    if pre is not None:
+        tok.pre_tokenizer = pre
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    added = [AddedToken(tokens[i], special=types[i] != USER_DEFINED, normalized=False)
+             for i in np.flatnonzero(np.isin(types, (CONTROL, USER_DEFINED, UNKNOWN)))]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+
+    info = special_token_info(meta)
+    if info["add_bos"] and info["bos_token_id"] is not None:
+        bos = tokens[info["bos_token_id"]]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, info["bos_token_id"])])
+    return tok, info
+
+
+def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
+    """The special-token facts of `tokenizer_from_gguf`, without building the tokenizer."""
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def tid(key: str) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{key}")
+        return None if v is None else int(v)
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+    if model == "gemma4":
+        add_bos = True  # llama.cpp overrides it to true for the gemma4 pre-tokenizer (PR 21500)
+    eos = tid("eos_token_id")
+    eog = sorted({i for i, t in enumerate(tokens) if t in _EOG_TEXTS} | ({eos} if eos is not None else set()))
+    return {
+        "model": model,
+        "bos_token_id": tid("bos_token_id"),
+        "eos_token_id": eos,
+        "pad_token_id": tid("padding_token_id"),
+        "unk_token_id": tid("unknown_token_id"),
+        "add_bos": add_bos,
+        "add_eos": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "eog_token_ids": eog,
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+
+
+def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> GemmaTokenizer:
+    """The gemmalite `Tokenizer` a GGUF file's (already parsed) metadata describes."""
+    tk, info = tokenizer_from_gguf(meta)
+    special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
+               if info.get(k + "_token_id") is not None}
+    return GemmaTokenizer(tk, chat_template=info.get("chat_template"), add_bos=info.get("add_bos", True),
+                          special_tokens={k + "_token": v for k, v in special.items() if v is not None})
+
+
+def tokenizer_from_gguf_file(path: str | os.PathLike) -> GemmaTokenizer:
+    """The tokenizer stored in a GGUF file's metadata (a vocabulary-only GGUF too; tensors untouched)."""
+    return tokenizer_from_gguf_metadata(read_gguf(path, load_tensors=False).metadata)
+
+
+def save_tokenizer_json(tok: Tokenizer, path: str | os.PathLike) -> None:
+    """Write ``tokenizer.json`` (loadable by ``Tokenizer.from_file`` or transformers)."""
+    tok.save(os.fspath(path))
+
+
+def gemma4_tokenizer_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The real Gemma 4 tokenizer (tensor-free GGUF shipped compressed in the package),
+    decompressed once into ``~/.cache/gemmalite/``."""
+    data = GEMMA4_VOCAB_XZ.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    base = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "gemmalite"
+    out = base / f"gemma4-vocab-{digest}.gguf"
+    if not out.exists():
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(lzma.decompress(data))
+        os.replace(tmp, out)
+    return out

@@ -1,0 +1,334 @@
+"""numba kernels of the GGML block formats (`gemmalite.weights.ggml`): the block type table,
+one decoder per block type, row gathers and fused few-row products.
+
+Numerics: every decoder reproduces the float32 operations of the reference dequantizers in
+``gguf.quants`` (llama.cpp's ``dequantize_row_*``) bit for bit, e.g. Q4_K computes
+``(d*sc)*q - (dmin*m)``. Decoders are compiled with ``fastmath=False`` (no FMA contraction, no
+reassociation), so the decoded weights are exact; only the float32 dot product (`_dot`)
+allows reassociation, which lets LLVM vectorise the sum.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import literally, njit, prange
+
+from .common import h2f, nibbles
+from .simd import block_row_dot
+
+QK_K = 256
+ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
+
+# GGML type id -> (name, elements per block, bytes per block); ids from ggml.h
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", QK_K, 144),
+    13: ("Q5_K", QK_K, 176),
+    14: ("Q6_K", QK_K, 210),
+    30: ("BF16", 1, 2),
+}
+_BY_NAME = {v[0]: k for k, v in GGML_TYPES.items()}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+def type_name(qtype) -> str:
+    """Normalise a GGML type given as id, name or ``gguf.GGMLQuantizationType``."""
+    if isinstance(qtype, str):
+        name = qtype.upper()
+        if name not in _BY_NAME:
+            raise ValueError(f"unsupported GGML type {qtype!r}")
+        return name
+    tid = int(qtype)
+    if tid not in GGML_TYPES:
+        raise ValueError(f"unsupported GGML type id {tid} ({getattr(qtype, 'name', '?')})")
+    return GGML_TYPES[tid][0]
+
+
+def block_info(qtype) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a type."""
+    _, bs, ts = GGML_TYPES[_BY_NAME[type_name(qtype)]]
+    return bs, ts
+
+
+def row_bytes(qtype, cols: int) -> int:
+    bs, ts = block_info(qtype)
+    if cols % bs:
+        raise ValueError(f"{type_name(qtype)} rows need a multiple of {bs} columns, got {cols}")
+    return cols // bs * ts
+
+
+# ---------------------------------------------------------------------------------------------
+# Block decoders: dec(row, b, dst, o, n) writes block b of the byte row into dst[o:o+bs].
+# All arithmetic is float32, in the reference order.
+# `n` is always 32 (= W). It is passed in at run time on purpose: with a constant trip count
+# LLVM fully unrolls the inner loops and then cannot vectorise them (it cannot prove that `dst`
+# and `row` do not overlap); with an opaque one it vectorises them behind a runtime overlap
+# check, which is 3-4x faster.
+# ---------------------------------------------------------------------------------------------
+
+W = 32
+
+
+@njit(inline="always", cache=True)
+def _half(row, o):
+    return h2f(np.uint16(np.int64(row[o]) | (np.int64(row[o + 1]) << 8)))
+
+
+@njit(inline="always", cache=True)
+def _u32(row, o):
+    return (np.int64(row[o]) | (np.int64(row[o + 1]) << 8)
+            | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24))
+
+
+@njit(inline="always", cache=True)
+def _legacy32(row, o, dst, do, n, has_min, has_high):
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1: element j is the low nibble of qs[j], j+16 the high one;
+    the 5-bit types take bit j of the 32-bit ``qh`` as bit 4. Without a min: d*(q - offset)."""
+    d = _half(row, o)
+    p = o + 2
+    m = np.float32(0.0)
+    if has_min:
+        m = _half(row, p)
+        p += 2
+    qh = 0
+    if has_high:
+        qh = _u32(row, p)
+        p += 4
+    off = np.float32(16.0 if has_high else 8.0)
+    half = n // 2
+    for j in range(half):
+        if has_high:
+            v = np.int64(row[p + j])
+            q0 = np.float32((v & 15) | (((qh >> j) & 1) << 4))
+            q1 = np.float32((v >> 4) | (((qh >> (j + half)) & 1) << 4))
+        else:
+            q0, q1 = nibbles(row[p + j])
+        if has_min:
+            dst[do + j] = d * q0 + m
+            dst[do + half + j] = d * q1 + m
+        else:  # q - offset is exact in float32, as in the reference's int8 arithmetic
+            dst[do + j] = d * (q0 - off)
+            dst[do + half + j] = d * (q1 - off)
+
+
+@njit(inline="always", cache=True)
+def dec_q4_0(row, b, dst, do, n):
+    _legacy32(row, b * 18, dst, do, n, False, False)
+
+
+@njit(inline="always", cache=True)
+def dec_q4_1(row, b, dst, do, n):
+    _legacy32(row, b * 20, dst, do, n, True, False)
+
+
+@njit(inline="always", cache=True)
+def dec_q5_0(row, b, dst, do, n):
+    _legacy32(row, b * 22, dst, do, n, False, True)
+
+
+@njit(inline="always", cache=True)
+def dec_q5_1(row, b, dst, do, n):
+    _legacy32(row, b * 24, dst, do, n, True, True)
+
+
+@njit(inline="always", cache=True)
+def dec_q8_0(row, b, dst, do, n):
+    o = b * 34
+    d = _half(row, o)
+    for i in range(n):
+        dst[do + i] = np.float32(np.int8(row[o + 2 + i])) * d
+
+
+@njit(inline="always", cache=True)
+def _scale_min_k4(row, s, j):
+    """6-bit scale and min of sub-block j from the 12 packed bytes at row[s:] (get_scale_min_k4)."""
+    if j < 4:
+        return np.int64(row[s + j]) & 63, np.int64(row[s + j + 4]) & 63
+    sc = (np.int64(row[s + j + 4]) & 15) | ((np.int64(row[s + j - 4]) >> 6) << 4)
+    mn = (np.int64(row[s + j + 4]) >> 4) | ((np.int64(row[s + j]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(inline="always", cache=True)
+def _k4(row, o, dst, do, n, has_high):
+    """Q4_K / Q5_K: 8 sub-blocks of 32, value (d*sc)*q - (dmin*m). Bytes 32c..32c+31 of qs hold
+    sub-block 2c in the low nibbles, 2c+1 in the high ones; Q5_K's qh bit j is bit 4 of sub-block j."""
+    d = _half(row, o)
+    dmin = _half(row, o + 2)
+    s = o + 4
+    qh = o + 16
+    qs = o + 48 if has_high else o + 16
+    for c in range(4):
+        sc0, m0 = _scale_min_k4(row, s, 2 * c)
+        sc1, m1 = _scale_min_k4(row, s, 2 * c + 1)
+        d0 = d * np.float32(sc0)
+        dm0 = dmin * np.float32(m0)
+        d1 = d * np.float32(sc1)
+        dm1 = dmin * np.float32(m1)
+        base = do + 64 * c
+        for l in range(n):
+            if has_high:
+                v = np.int64(row[qs + 32 * c + l])
+                h = np.int64(row[qh + l])
+                q0 = np.float32((v & 15) | (((h >> (2 * c)) & 1) << 4))
+                q1 = np.float32((v >> 4) | (((h >> (2 * c + 1)) & 1) << 4))
+            else:
+                q0, q1 = nibbles(row[qs + 32 * c + l])
+            dst[base + l] = d0 * q0 - dm0
+            dst[base + 32 + l] = d1 * q1 - dm1
+
+
+@njit(inline="always", cache=True)
+def dec_q4_k(row, b, dst, do, n):
+    _k4(row, b * 144, dst, do, n, False)
+
+
+@njit(inline="always", cache=True)
+def dec_q5_k(row, b, dst, do, n):
+    _k4(row, b * 176, dst, do, n, True)
+
+
+@njit(inline="always", cache=True)
+def _crumbs(byte):
+    """The four 2-bit fields of a byte (bits 0-1, 2-3, 4-5, 6-7) as exact float32s."""
+    v = np.float32(byte)
+    t1 = np.floor(v * np.float32(0.25))
+    t2 = np.floor(t1 * np.float32(0.25))
+    c3 = np.floor(t2 * np.float32(0.25))
+    return v - np.float32(4.0) * t1, t1 - np.float32(4.0) * t2, t2 - np.float32(4.0) * c3, c3
+
+
+@njit(inline="always", cache=True)
+def dec_q6_k(row, b, dst, do, n):
+    """Q6_K (dequantize_row_q6_K): two halves of 128. In half h, with a = ql[64h + l],
+    b = ql[64h + 32 + l], c = qh[32h + l] (l < 32), elements l, l+32, l+64, l+96 take their low
+    4 bits from a&15, b&15, a>>4, b>>4 and their top 2 bits from c's bit pairs 0-1 ... 6-7;
+    value (d*scale[e//16]) * (q - 32), one int8 scale per 16 elements."""
+    o = b * 210
+    sc = o + 192
+    d = _half(row, o + 208)
+    half = n // 2
+    f16, f32 = np.float32(16.0), np.float32(32.0)
+    for h in range(2):
+        ql = o + 64 * h
+        qh = o + 128 + 32 * h
+        base = do + 128 * h
+        for k in range(2):  # elements 0-15 / 16-31 of each group of 32 have their own scale
+            s0 = sc + 8 * h + k
+            d0 = d * np.float32(np.int8(row[s0]))
+            d1 = d * np.float32(np.int8(row[s0 + 2]))
+            d2 = d * np.float32(np.int8(row[s0 + 4]))
+            d3 = d * np.float32(np.int8(row[s0 + 6]))
+            for l in range(half * k, half * (k + 1)):
+                a0, a1 = nibbles(row[ql + l])
+                b0, b1 = nibbles(row[ql + 32 + l])
+                c0, c1, c2, c3 = _crumbs(row[qh + l])
+                dst[base + l] = d0 * (a0 + f16 * c0 - f32)
+                dst[base + 32 + l] = d1 * (b0 + f16 * c1 - f32)
+                dst[base + 64 + l] = d2 * (a1 + f16 * c2 - f32)
+                dst[base + 96 + l] = d3 * (b1 + f16 * c3 - f32)
+
+
+_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # `kind` numbers
+
+
+@njit(cache=True)
+def _decode_row(kind, row, dst, bs, n):
+    """Decode a whole row. ``kind`` is made a literal, so numba compiles one specialisation per
+    block type in which dead-branch pruning has kept only that type's decoder."""
+    literally(kind)
+    for b in range(dst.shape[0] // bs):
+        if kind == 0:
+            dec_q4_0(row, b, dst, b * bs, n)
+        elif kind == 1:
+            dec_q4_1(row, b, dst, b * bs, n)
+        elif kind == 2:
+            dec_q5_0(row, b, dst, b * bs, n)
+        elif kind == 3:
+            dec_q5_1(row, b, dst, b * bs, n)
+        elif kind == 4:
+            dec_q8_0(row, b, dst, b * bs, n)
+        elif kind == 5:
+            dec_q4_k(row, b, dst, b * bs, n)
+        elif kind == 6:
+            dec_q5_k(row, b, dst, b * bs, n)
+        else:
+            dec_q6_k(row, b, dst, b * bs, n)
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _dot(a, b):
+    """float32 dot product. Only reassociation is allowed (no FMA contraction, no other
+    fast-math): it lets LLVM keep vector partial sums, i.e. float32 accumulation in a
+    different order, while the decoded weights stay exact (they are computed elsewhere)."""
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
+@njit(inline="always", cache=True)
+def _matvec_rows(kind, raw, x, out, n, bs, r0, r1, buf):
+    """Rows r0..r1 of out = x @ W.T: each weight row is decoded once into ``buf`` (L1/L2
+    resident) and dotted with every x row."""
+    for r in range(r0, r1):
+        _decode_row(kind, raw[r], buf, bs, n)
+        for t in range(x.shape[0]):
+            out[t, r] = _dot(buf, x[t])
+
+
+class _Kernels(NamedTuple):
+    gather: Any  # (raw, ids, out, n): out[i] = row ids[i], on the calling thread
+    matvec: Any  # (raw, x, out, n): out = x @ W.T, parallel over chunks of rows
+    matvec_serial: Any  # the same on the calling thread, for small matrices
+
+
+def make_kernels(name: str) -> _Kernels:
+    """Drivers for one block type. ``kind`` is a closure constant that `_decode_row` turns into
+    a literal, so each type runs its own decoder with tight loops (a run-time switch between
+    decoders inside the row loop stops LLVM from vectorising them: 3x slower). The closure
+    holds plain ints, which numba's disk cache can key on (a captured dispatcher pickles
+    differently in every process, so kernels closing over one are never found in the cache).
+    """
+    kind = _KINDS.index(name)
+    bs = block_info(name)[0]
+
+    @njit(cache=True)
+    def gather(raw, ids, out, n):
+        """Serial on purpose: lookups are a few rows, and slabs for BLAS must not start a
+        parallel region between BLAS calls (OpenBLAS's spinning workers make it crawl)."""
+        for i in range(ids.shape[0]):
+            _decode_row(kind, raw[ids[i]], out[i], bs, n)
+
+    @njit(parallel=True, cache=True)
+    def matvec(raw, x, out, n):
+        n_rows = raw.shape[0]
+        for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+            buf = np.empty(x.shape[1], np.float32)
+            _matvec_rows(kind, raw, x, out, n, bs, c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK), buf)
+
+    @njit(cache=True)
+    def matvec_serial(raw, x, out, n):
+        _matvec_rows(kind, raw, x, out, n, bs, 0, raw.shape[0], np.empty(x.shape[1], np.float32))
+
+    return _Kernels(gather, matvec, matvec_serial)
+
+
+KERNELS = {name: make_kernels(name) for name in _KINDS}
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def block_mv1_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
+    """Decode (T=1) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as
+    gemmalite's own int8): exact int32 block sums with 16-bit SIMD multiply-add."""
+    for r in prange(raw.shape[0]):
+        if q5:
+            block_row_dot(raw, xq, xd, r, out, 5)
+        else:
+            block_row_dot(raw, xq, xd, r, out, 8)

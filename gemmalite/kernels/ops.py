@@ -1,0 +1,117 @@
+"""Elementwise and attention kernels, float32, written to match transformers' float32 math.
+
+Matrix products live behind `Matrix.matmul` (`gemmalite.weights`); everything else the layers
+need is here. The numba loops behind them are in `numba_ops`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import common
+from .numba_ops import attention_rows, rms_norm_rows
+
+MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
+QUERY_BLOCK = 256  # query rows per attention block: bounds the score matrix in long prefills
+NUMBA_SCORES_MAX = 1 << 18  # with ``blas_free``, attention with up to this many (query, key)
+# pairs runs in numba too (as fast as batched BLAS up to 512 x 512 here, half as fast at
+# 1024 x 1024): a prefill whose products make no BLAS call then makes none at all, so
+# OpenBLAS's workers never spin against numba's (and vice versa when the products use BLAS)
+
+
+_NO_WEIGHT = np.zeros(0, np.float32)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis (weight None: scale-free).
+    Weights already carry any family offset (Gemma 3's ``1 + w``)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    rms_norm_rows(x2, _NO_WEIGHT if weight is None else weight, float(eps), out)
+    return out.reshape(x.shape)
+
+
+def gelu_tanh_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``gelu_tanh(a) * b`` (tanh-approximate GELU, ``gelu_pytorch_tanh``), in place on a
+    fresh buffer: numpy's SIMD tanh beats a scalar-tanh numba loop."""
+    t = a * a
+    t *= a
+    t *= np.float32(0.044715)
+    t += a
+    t *= np.float32(0.7978845608028654)
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= a
+    t *= np.float32(0.5)
+    t *= b
+    return t
+
+
+def rope_tables(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin ``[T, D/2]`` with float32 angles, as transformers computes them."""
+    ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on ``x [T, heads, D]``: dim i pairs with i + D/2."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
+    if not cap:
+        return x
+    c = np.float32(cap)
+    return np.tanh(x / c) * c
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    window: int | None,
+    scale: float,
+    blas_free: bool = True,
+) -> np.ndarray:
+    """Causal (optionally sliding-window) GQA attention by absolute positions.
+
+    q ``[T, nq, D]``; k, v ``[N, kv, D]``; key ``j`` is visible to query ``i`` iff
+    ``0 <= pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window``. Returns ``[T, nq*D]``.
+    KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
+    ``blas_free``: the caller's products make no BLAS call, so moderate prefills run in numba
+    too (see NUMBA_SCORES_MAX); decode rows always do.
+    """
+    T, nq, D = q.shape
+    if T <= common.FEW_ROWS or (blas_free and T * k.shape[0] <= NUMBA_SCORES_MAX):
+        out = np.empty((T, nq * D), dtype=np.float32)
+        attention_rows(np.ascontiguousarray(q, dtype=np.float32), k, v, q_pos, k_pos,
+                       window or 0, np.float32(scale), MASKED, out)
+        return out
+    kv = k.shape[1]
+    g = nq // kv
+    kt = k.transpose(1, 2, 0)  # [kv, D, N]
+    vt = v.transpose(1, 0, 2)  # [kv, N, D]
+    out = np.empty((T, nq * D), dtype=np.float32)
+    for t0 in range(0, T, QUERY_BLOCK):
+        qb = q[t0 : t0 + QUERY_BLOCK]
+        tb = qb.shape[0]
+        qg = qb.reshape(tb, kv, g, D).transpose(1, 0, 2, 3).reshape(kv, tb * g, D)
+        scores = (qg @ kt).reshape(kv, tb, g, -1)
+        if scale != 1.0:
+            scores *= np.float32(scale)
+        qp = q_pos[t0 : t0 + tb, None]
+        allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= qp)
+        if window is not None:
+            allowed &= k_pos[None, :] > qp - window
+        if not allowed.all():
+            scores = np.where(allowed[None, :, None, :], scores, MASKED)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = scores.reshape(kv, tb * g, -1) @ vt  # [kv, tb*g, D]
+        out[t0 : t0 + tb] = o.reshape(kv, tb, g, D).transpose(1, 0, 2, 3).reshape(tb, nq * D)
+    return out

@@ -1,0 +1,439 @@
+"""numba kernels of the int8 / int4 matrices (`gemmalite.weights.quant`): quantization,
+decode products (one pass over the weights for a few activation rows), int16-activation SIMD
+products, prefill tiles and dequantization. Formats are described in `gemmalite.weights.quant`."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .common import h2f, nibbles
+from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_int16
+
+_JIT = dict(cache=True, error_model="numpy", boundscheck=False)
+_FAST = dict(_JIT, fastmath=True)
+
+
+# --------------------------------------------------------------------------- int8 kernels
+
+
+@njit(parallel=True, **_JIT)
+def i8_quantize(w, q, scale):
+    n, k = w.shape
+    for r in prange(n):
+        amax = np.float32(0.0)
+        for j in range(k):
+            a = abs(w[r, j])
+            if a > amax:
+                amax = a
+        s = amax / np.float32(127.0)
+        scale[r] = s
+        if s == 0:
+            for j in range(k):
+                q[r, j] = 0
+        else:
+            for j in range(k):
+                v = np.rint(w[r, j] / s)
+                v = min(max(v, np.float32(-127.0)), np.float32(127.0))
+                q[r, j] = np.int8(v)
+
+
+@njit(parallel=True, **_FAST)
+def i8_mv1(q, scale, x, out):
+    """out[0, r] = scale[r] * sum_k q[r, k] * x[0, k]."""
+    n, k = q.shape
+    x0 = x[0]
+    for r in prange(n):
+        qr = q[r]
+        acc = np.float32(0.0)
+        for j in range(k):
+            acc += np.float32(qr[j]) * x0[j]
+        out[0, r] = acc * scale[r]
+
+
+@njit(parallel=True, **_FAST)
+def i8_mv1_rows4(q, scale, x, out):
+    """T=1 for long rows (in >= LONG_ROW): four rows share each load of x. With a row of
+    6144-12288 values x no longer fits in L1, and re-reading it per row halved the bandwidth
+    (down projections: 13 -> 22 GB/s)."""
+    n, k = q.shape
+    x0 = x[0]
+    for g in prange((n + 3) // 4):
+        r = 4 * g
+        if r + 4 <= n:
+            q0 = q[r]
+            q1 = q[r + 1]
+            q2 = q[r + 2]
+            q3 = q[r + 3]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for j in range(k):
+                xj = x0[j]
+                a0 += np.float32(q0[j]) * xj
+                a1 += np.float32(q1[j]) * xj
+                a2 += np.float32(q2[j]) * xj
+                a3 += np.float32(q3[j]) * xj
+            out[0, r] = a0 * scale[r]
+            out[0, r + 1] = a1 * scale[r + 1]
+            out[0, r + 2] = a2 * scale[r + 2]
+            out[0, r + 3] = a3 * scale[r + 3]
+        else:
+            for rr in range(r, n):
+                a = np.float32(0.0)
+                for j in range(k):
+                    a += np.float32(q[rr, j]) * x0[j]
+                out[0, rr] = a * scale[rr]
+
+
+@njit(parallel=True, **_FAST)
+def i8_mv4(q, scale, x, out):
+    """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
+    n, k = q.shape
+    t = x.shape[0]
+    x0 = x[0]
+    x1 = x[min(1, t - 1)]
+    x2 = x[min(2, t - 1)]
+    x3 = x[min(3, t - 1)]
+    for r in prange(n):
+        qr = q[r]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for j in range(k):
+            w = np.float32(qr[j])
+            a0 += w * x0[j]
+            a1 += w * x1[j]
+            a2 += w * x2[j]
+            a3 += w * x3[j]
+        s = scale[r]
+        out[0, r] = a0 * s
+        out[1, r] = a1 * s
+        if t > 2:
+            out[2, r] = a2 * s
+        if t > 3:
+            out[3, r] = a3 * s
+
+
+@njit(parallel=True, **_FAST)
+def i8_mv1_w8a16(q, scale, xq, xd, rows_per_task, out):
+    """T=1 with int16 activations (per 32 values): exact int32 sums via 16-bit SIMD
+    multiply-add, ``rows_per_task`` (1 or 4) rows sharing each load of x."""
+    n = q.shape[0]
+    for b in prange((n + rows_per_task - 1) // rows_per_task):
+        r = b * rows_per_task
+        if rows_per_task == 4 and r + 4 <= n:
+            int8_rows_dot(q, xq, xd, r, out, 4)
+        else:
+            for i in range(r, min(n, r + rows_per_task)):
+                int8_rows_dot(q, xq, xd, i, out, 1)
+        for i in range(r, min(n, r + rows_per_task)):
+            out[i] *= scale[i]
+
+
+@njit(parallel=True, **_FAST)
+def round_int16_rows(x, block, xq, xd):
+    """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel."""
+    for t in prange(x.shape[0]):
+        xs = np.empty(xd.shape[1], dtype=np.float32)
+        round_int16(x[t], block, xq[t], xd[t], xs)
+
+
+@njit(parallel=True, **_FAST)
+def i8_mm_w8a16(q, scale, xq, xd, out):
+    """Prefill with int16 activations: tiles of 4 rows x 2 tokens (``int8_tile_dot``), each
+    task one 4-row strip against all tokens (the strip stays in L1, x in L2)."""
+    n = q.shape[0]
+    t_all = xq.shape[0]
+    for b in prange((n + 3) // 4):
+        r = 4 * b
+        if r + 4 <= n:
+            for t in range(0, t_all - 1, 2):
+                int8_tile_dot(q, xq, xd, r, t, out, 4, 2)
+            if t_all % 2:
+                int8_tile_dot(q, xq, xd, r, t_all - 1, out, 4, 1)
+        else:
+            for i in range(r, n):
+                for t in range(t_all):
+                    int8_tile_dot(q, xq, xd, i, t, out, 1, 1)
+        for t in range(t_all):
+            for i in range(r, min(n, r + 4)):
+                out[t, i] *= scale[i]
+
+
+@njit(**_JIT)
+def i8_dequant_range(q, scale, r0, out):
+    m, k = out.shape
+    for i in range(m):
+        s = scale[r0 + i]
+        qr = q[r0 + i]
+        o = out[i]
+        for j in range(k):
+            o[j] = np.float32(qr[j]) * s
+
+
+@njit(**_JIT)
+def i8_dequant_ids(q, scale, ids, out):
+    m, k = out.shape
+    for i in range(m):
+        r = ids[i]
+        s = scale[r]
+        qr = q[r]
+        o = out[i]
+        for j in range(k):
+            o[j] = np.float32(qr[j]) * s
+
+
+# --------------------------------------------------------------------------- int4 kernels
+
+
+@njit(**_FAST)
+def fit_group(v, wt, nq):
+    """Weighted least-squares (scale, min) for one group, v ~ d * n + m, n in 0..15."""
+    lo = v.min()
+    hi = v.max()
+    if hi == lo:
+        return np.float32(0.0), lo
+    g = v.size
+    sw = np.float32(0.0)
+    swx = np.float32(0.0)
+    for i in range(g):
+        sw += wt[i]
+        swx += wt[i] * v[i]
+    best_d = (hi - lo) / np.float32(15.0)
+    best_m = lo
+    best_e = np.float32(0.0)
+    inv = np.float32(1.0) / best_d
+    for i in range(g):
+        n = min(max(np.rint((v[i] - lo) * inv), np.float32(0.0)), np.float32(15.0))
+        e = best_d * n + lo - v[i]
+        best_e += wt[i] * e * e
+    for step in range(21):
+        iscale = (np.float32(-1.0) + np.float32(0.1) * step + np.float32(15.0)) / (hi - lo)
+        swl = np.float32(0.0)
+        swl2 = np.float32(0.0)
+        swxl = np.float32(0.0)
+        for i in range(g):
+            n = min(max(np.rint(iscale * (v[i] - lo)), np.float32(0.0)), np.float32(15.0))
+            nq[i] = n
+            swl += wt[i] * n
+            swl2 += wt[i] * n * n
+            swxl += wt[i] * n * v[i]
+        det = sw * swl2 - swl * swl
+        if det <= 0:
+            continue
+        d = (sw * swxl - swx * swl) / det
+        m = (swl2 * swx - swl * swxl) / det
+        if d <= 0:
+            continue
+        e_tot = np.float32(0.0)
+        for i in range(g):
+            e = d * nq[i] + m - v[i]
+            e_tot += wt[i] * e * e
+        if e_tot < best_e:
+            best_e = e_tot
+            best_d = d
+            best_m = m
+    return best_d, best_m
+
+
+@njit(parallel=True, **_FAST)
+def i4_quantize(w, group, search, scales_f, mins_f):
+    """w float32 [n, k] -> fitted float32 scale and min per group (rounded to float16 later)."""
+    n, k = w.shape
+    ng = k // group
+    for r in prange(n):
+        wt = np.empty(group, dtype=np.float32)
+        nq = np.empty(group, dtype=np.float32)
+        for g in range(ng):
+            v = w[r, g * group : (g + 1) * group]
+            if search:
+                s2 = np.float32(0.0)
+                for i in range(group):
+                    s2 += v[i] * v[i]
+                av = np.sqrt(s2 / group)
+                for i in range(group):
+                    wt[i] = av + abs(v[i])
+                d, m = fit_group(v, wt, nq)
+            else:
+                lo = v.min()
+                d = (v.max() - lo) / np.float32(15.0)
+                m = lo
+            scales_f[r, g] = d
+            mins_f[r, g] = m
+
+
+@njit(parallel=True, **_JIT)
+def i4_pack(w, group, d16, m16, packed):
+    """Round with the *stored* (float16-rounded, here as float32) scale and min, then pack."""
+    n, k = w.shape
+    ng = k // group
+    h = group // 2
+    for r in prange(n):
+        for g in range(ng):
+            d = d16[r, g]
+            m = m16[r, g]
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            base = g * group
+            for j in range(h):
+                a = min(max(np.rint((w[r, base + j] - m) * inv), 0.0), 15.0) if d > 0 else 0.0
+                b = min(max(np.rint((w[r, base + h + j] - m) * inv), 0.0), 15.0) if d > 0 else 0.0
+                packed[r, g * h + j] = np.uint8(np.int32(a) | (np.int32(b) << 4))
+
+
+@njit(**_FAST)
+def group_sums(x, group, xs):
+    t, k = x.shape
+    for i in range(t):
+        for g in range(k // group):
+            s = np.float32(0.0)
+            for j in range(group):
+                s += x[i, g * group + j]
+            xs[i, g] = s
+
+
+@njit(parallel=True, **_FAST)
+def i4_mv1(packed, scales, mins, x, xs, group, out):
+    """out[0, r] = sum_g d_g * sum_j n_j x_j + m_g * sum_g(x)."""
+    n = packed.shape[0]
+    ng = scales.shape[1]
+    h = group // 2
+    x0 = x[0]
+    xs0 = xs[0]
+    for r in prange(n):
+        pr = packed[r]
+        sr = scales[r]
+        mr = mins[r]
+        acc = np.float32(0.0)
+        for g in range(ng):
+            p = pr[g * h : g * h + h]
+            xa = x0[g * group : g * group + h]
+            xb = x0[g * group + h : g * group + group]
+            s = np.float32(0.0)
+            for j in range(h):
+                lo, hi = nibbles(p[j])
+                s += lo * xa[j] + hi * xb[j]
+            acc += h2f(sr[g]) * s + h2f(mr[g]) * xs0[g]
+        out[0, r] = acc
+
+
+@njit(inline="always", **_FAST)
+def i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, nrows, out):
+    if nrows == 4:
+        if group == 32:
+            int4_rows_dot(packed, scales, xq, xd, r, out, 32, 4)
+        else:
+            int4_rows_dot(packed, scales, xq, xd, r, out, 64, 4)
+    else:
+        if group == 32:
+            int4_rows_dot(packed, scales, xq, xd, r, out, 32, 1)
+        else:
+            int4_rows_dot(packed, scales, xq, xd, r, out, 64, 1)
+    for i in range(r, r + nrows):
+        m = np.float32(0.0)
+        for g in range(scales.shape[1]):
+            m += h2f(mins[i, g]) * xs[g]
+        out[i] += m
+
+
+@njit(parallel=True, **_FAST)
+def i4_mv1_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
+    """T=1 with int16 activations: exact int32 sums per group via 16-bit SIMD multiply-add,
+    ``rows_per_task`` (1 or 4) rows sharing each load of x."""
+    n = packed.shape[0]
+    for b in prange((n + rows_per_task - 1) // rows_per_task):
+        r = b * rows_per_task
+        if r + rows_per_task <= n:
+            i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, rows_per_task, out)
+        else:
+            for i in range(r, n):
+                i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, i, 1, out)
+
+
+@njit(parallel=True, **_FAST)
+def i4_mv4(packed, scales, mins, x, xs, group, out):
+    """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
+    n = packed.shape[0]
+    ng = scales.shape[1]
+    h = group // 2
+    t = x.shape[0]
+    i1 = min(1, t - 1)
+    i2 = min(2, t - 1)
+    i3 = min(3, t - 1)
+    x0 = x[0]
+    x1 = x[i1]
+    x2 = x[i2]
+    x3 = x[i3]
+    for r in prange(n):
+        pr = packed[r]
+        sr = scales[r]
+        mr = mins[r]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for g in range(ng):
+            p = pr[g * h : g * h + h]
+            o = g * group
+            y0a = x0[o : o + h]
+            y0b = x0[o + h : o + group]
+            y1a = x1[o : o + h]
+            y1b = x1[o + h : o + group]
+            y2a = x2[o : o + h]
+            y2b = x2[o + h : o + group]
+            y3a = x3[o : o + h]
+            y3b = x3[o + h : o + group]
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for j in range(h):
+                lo, hi = nibbles(p[j])
+                s0 += lo * y0a[j] + hi * y0b[j]
+                s1 += lo * y1a[j] + hi * y1b[j]
+                s2 += lo * y2a[j] + hi * y2b[j]
+                s3 += lo * y3a[j] + hi * y3b[j]
+            d = h2f(sr[g])
+            m = h2f(mr[g])
+            a0 += d * s0 + m * xs[0, g]
+            a1 += d * s1 + m * xs[i1, g]
+            a2 += d * s2 + m * xs[i2, g]
+            a3 += d * s3 + m * xs[i3, g]
+        out[0, r] = a0
+        out[1, r] = a1
+        if t > 2:
+            out[2, r] = a2
+        if t > 3:
+            out[3, r] = a3
+
+
+@njit(inline="always", **_JIT)
+def i4_dequant_group(p, d, mn, oa, ob):
+    for j in range(p.shape[0]):
+        lo, hi = nibbles(p[j])
+        oa[j] = lo * d + mn
+        ob[j] = hi * d + mn
+
+
+@njit(**_JIT)
+def i4_dequant_row(packed, scales, mins, r, group, o):
+    h = group // 2
+    pr = packed[r]
+    sr = scales[r]
+    mr = mins[r]
+    for g in range(sr.shape[0]):
+        i4_dequant_group(pr[g * h : g * h + h], h2f(sr[g]), h2f(mr[g]),
+                          o[g * group : g * group + h], o[g * group + h : g * group + group])
+
+
+@njit(**_JIT)
+def i4_dequant_range(packed, scales, mins, r0, group, out):
+    for i in range(out.shape[0]):
+        i4_dequant_row(packed, scales, mins, r0 + i, group, out[i])
+
+
+@njit(**_JIT)
+def i4_dequant_ids(packed, scales, mins, ids, group, out):
+    for i in range(out.shape[0]):
+        i4_dequant_row(packed, scales, mins, ids[i], group, out[i])

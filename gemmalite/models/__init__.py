@@ -1,0 +1,1 @@
+"""Model architectures: tensor contracts, configuration and graphs, one package per family."""

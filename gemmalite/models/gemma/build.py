@@ -1,0 +1,92 @@
+"""Tensors named by the contract -> the decoder graph and the host's tables.
+
+Big tables (token embeddings, which double as the tied LM head, and the PLE table) stay
+memory-mapped in their stored dtype; projections become float32 matrices, or int8/int4
+when ``quant`` asks for it (already-quantized ones are used as they are).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ...weights.matrix import F32Matrix, Matrix, as_matrix
+from ...weights.quant import Int4Matrix, Int8Matrix, quantize
+from .config import ModelConfig
+from .contract import NORMS, PROJECTIONS, expected_shapes
+from .graph import DecoderGraph, LayerWeights, PLEWeights
+
+QUANT_KINDS = (None, "int8", "int4")
+
+
+@dataclass
+class GemmaWeights:
+    graph: DecoderGraph
+    embed: Matrix
+    lm_head: Matrix
+    ple_table: Matrix | None
+
+
+def matrix_factory(quant: str | None) -> Callable[[Any], Matrix]:
+    """How projection weights are held: float32, or quantized from whatever is stored."""
+    if quant is None:
+        return lambda t: t if isinstance(t, Matrix) else F32Matrix(np.asarray(t, dtype=np.float32))
+
+    def make(t: Any) -> Matrix:
+        if isinstance(t, (Int8Matrix, Int4Matrix)):  # already quantized (converted checkpoint)
+            return t
+        return quantize(t.dense() if isinstance(t, Matrix) else t, quant)
+
+    return make
+
+
+def table(t: Any) -> Matrix:
+    """A row-addressable table, left as stored (half precision stays half, memory-mapped)."""
+    return t if isinstance(t, Matrix) else as_matrix(t, keep_half=True)
+
+
+def build_weights(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) -> GemmaWeights:
+    if quant not in QUANT_KINDS:
+        raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+    mat = matrix_factory(quant)
+    expected = expected_shapes(cfg)
+    off = np.float32(cfg.norm_offset)
+
+    def norm(name: str) -> np.ndarray:
+        return np.asarray(tensors[name], dtype=np.float32) + off
+
+    def vec(name: str) -> np.ndarray:
+        return np.asarray(tensors[name], dtype=np.float32)
+
+    layers = []
+    for s in cfg.layers:
+        p = f"layers.{s.index}."
+        a = p + "self_attn."
+        # the projections the contract asks of this layer (stale K/V of KV-shared layers are left)
+        present = {attr: mat(tensors[n]) for attr, name in PROJECTIONS.items() if (n := p + name + ".weight") in expected}
+        w = LayerWeights(*(norm(p + n + ".weight") for n in NORMS), q_norm=norm(a + "q_norm.weight"), **present)
+        if s.owns_kv:
+            w.k_norm = norm(a + "k_norm.weight")
+        if cfg.attention_bias:
+            w.bias = {x[0]: vec(a + f"{x}.bias") for x in ("q_proj", "k_proj", "v_proj", "o_proj") if a + f"{x}.bias" in tensors}
+        if cfg.ple_dim:
+            w.ple_norm = norm(p + "post_per_layer_input_norm.weight")
+        if p + "layer_scalar" in tensors:
+            w.layer_scalar = np.float32(vec(p + "layer_scalar").reshape(-1)[0])
+        layers.append(w)
+
+    ple = ple_table = None
+    if cfg.ple_dim:
+        ple = PLEWeights(projection=mat(tensors["per_layer_model_projection.weight"]),
+                         norm=norm("per_layer_projection_norm.weight"))
+        ple_table = table(tensors["embed_tokens_per_layer.weight"])
+    graph = DecoderGraph(cfg, layers, norm("norm.weight"), ple)
+
+    embed = table(tensors["embed_tokens.weight"])
+    head = tensors.get("lm_head.weight")  # untied, or the quantized copy of a converted checkpoint
+    if head is None:
+        lm_head = embed if quant is None else mat(tensors["embed_tokens.weight"])
+    else:
+        lm_head = table(head) if quant is None else mat(head)
+    return GemmaWeights(graph, embed, lm_head, ple_table)

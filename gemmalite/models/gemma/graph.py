@@ -1,0 +1,174 @@
+"""The decoder graph: transformer layers and their KV cache, behind a small interface.
+
+This is the part a second backend (ONNX Runtime, an NPU, a GPU) would take over. The host
+hands it *scaled token embeddings* and *PLE token rows* (both plain row lookups) and gets
+back *final-normed hidden states* for the positions it asks for; tokenization, table
+lookups, the LM head and sampling stay on the host.
+
+    state = graph.new_state(context)
+    h = graph.forward(state, x0, ple_rows, keep=[T - 1])   # prefill, keep the last position
+    h = graph.forward(state, x1, ple_rows1)                # one decode step
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ContextError
+from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
+from ...runtime.cache import KVRing, KVState
+from ...weights.matrix import Matrix
+from .config import ModelConfig
+from .contract import PROJECTIONS
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Norm weights already include the family's offset (Gemma 3: 1 + w)."""
+
+    ln_in: np.ndarray
+    ln_post_attn: np.ndarray
+    ln_pre_ff: np.ndarray
+    ln_post_ff: np.ndarray
+    q: Matrix
+    q_norm: np.ndarray
+    o: Matrix
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+    k: Matrix | None = None  # None on KV-shared layers
+    v: Matrix | None = None  # None on KV-shared layers and with attention_k_eq_v
+    k_norm: np.ndarray | None = None
+    bias: dict[str, np.ndarray] | None = None  # q/k/v/o biases when attention_bias
+    ple_gate: Matrix | None = None
+    ple_proj: Matrix | None = None
+    ple_norm: np.ndarray | None = None
+    layer_scalar: np.float32 | None = None
+
+    def matrices(self) -> list[Matrix]:
+        """Every projection of the layer (those it has), in the order a decode step reads them."""
+        return [m for attr in PROJECTIONS if (m := getattr(self, attr)) is not None]
+
+
+@dataclass
+class PLEWeights:
+    """The context part of per-layer embeddings, computed inside the graph from x0."""
+
+    projection: Matrix  # [L*P, H]
+    norm: np.ndarray  # [P]
+
+
+class DecoderGraph:
+    def __init__(self, cfg: ModelConfig, layers: list[LayerWeights], final_norm: np.ndarray, ple: PLEWeights | None):
+        self.cfg = cfg
+        self.layers = layers
+        self.final_norm = final_norm
+        self.ple = ple
+        self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
+        # one thread pool per prefill: numba attention only if no product goes to BLAS
+        self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
+
+    def new_state(self, context: int) -> KVState:
+        """Empty caches: a ring of ``sliding_window`` entries per sliding layer, ``context`` per full layer."""
+        rings = {}
+        for s in self.cfg.layers:
+            if s.owns_kv:
+                window = min(self.cfg.sliding_window, context) if s.sliding else None
+                rings[s.index] = KVRing(window or context, s.num_kv_heads, s.head_dim, window)
+        return KVState(rings, context)
+
+    def forward(
+        self,
+        state: KVState,
+        x0: np.ndarray,
+        ple_rows: np.ndarray | None,
+        keep: np.ndarray | None = None,
+        capture: list[np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Run positions ``state.length ..`` through all layers, appending their K/V to ``state``.
+
+        ``x0`` ``[T, H]`` scaled embeddings; ``ple_rows`` ``[T, L*P]`` scaled PLE token rows
+        (None without PLE); ``keep`` the row indices whose outputs are wanted (default all):
+        KV-shared layers run only for those rows, since no other layer reads their output.
+        ``capture`` (debugging) receives the input and each layer's output, all rows.
+        Returns final-normed hidden states ``[len(keep), H]``.
+        """
+        cfg = self.cfg
+        T = x0.shape[0]
+        start = state.length
+        if start + T > state.context:
+            raise ContextError(f"sequence of {start + T} tokens exceeds the context of {state.context}")
+        pos = np.arange(start, start + T, dtype=np.int64)
+        h = np.ascontiguousarray(x0, dtype=np.float32)
+        ple = self._ple_inputs(h, ple_rows) if self.ple is not None else None
+        ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
+        shared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        rows = np.arange(T) if keep is None else np.asarray(keep, dtype=np.int64)
+        if capture is not None:
+            capture.append(h.copy())
+        for spec, w in zip(cfg.layers, self.layers):
+            if spec.index == cfg.first_shared_layer and capture is None and len(rows) < h.shape[0]:
+                h, pos = h[rows], pos[rows]
+                ple = ple[rows] if ple is not None else None
+                ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
+                rows = np.arange(len(rows))
+            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], state, shared, start)
+            if capture is not None:
+                capture.append(h.copy())
+        state.length = start + T
+        h = h[rows] if len(rows) < h.shape[0] else h
+        return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def _ple_inputs(self, x0: np.ndarray, tok_rows: np.ndarray) -> np.ndarray:
+        """``(rms(x0·W_projᵀ·H^-½ per layer slice) + token rows) · 2^-½`` → ``[T, L, P]``."""
+        cfg, T = self.cfg, x0.shape[0]
+        ctx = self.ple.projection.matmul(x0) * np.float32(cfg.hidden_size**-0.5)
+        ctx = rms_norm(ctx.reshape(T, cfg.num_hidden_layers, cfg.ple_dim), self.ple.norm, cfg.rms_norm_eps)
+        tok = tok_rows.reshape(T, cfg.num_hidden_layers, cfg.ple_dim)
+        return (ctx + tok) * np.float32(2.0**-0.5)
+
+    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, state: KVState, shared, start) -> np.ndarray:
+        cfg = self.cfg
+        eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
+        cos, sin = rope
+        bias = w.bias or {}
+
+        a = rms_norm(h, w.ln_in, eps)
+        q = _proj(w.q, a, bias.get("q")).reshape(T, nq, D)
+        q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
+        if spec.owns_kv:
+            kr = _proj(w.k, a, bias.get("k")).reshape(T, spec.num_kv_heads, D)
+            vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v")).reshape(T, spec.num_kv_heads, D)
+            k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
+            v = rms_norm(vr, None, eps) if cfg.v_norm else vr
+            ring = state.rings[spec.index]
+            if ring.evicts(T):  # the new queries still need entries this write would overwrite
+                pk, pv, pp = ring.view()
+                kv = (np.concatenate([pk, k]), np.concatenate([pv, v]), np.concatenate([pp, pos]))
+                ring.write(k, v, start)
+            else:
+                ring.write(k, v, start)
+                kv = ring.view()
+            shared[spec.index] = kv
+        else:
+            kv = shared[spec.kv_source]
+        window = cfg.sliding_window if spec.sliding else None
+        o = attention(q, kv[0], kv[1], pos, kv[2], window, cfg.attn_scale, self._blas_free)
+        h = h + rms_norm(_proj(w.o, o, bias.get("o")), w.ln_post_attn, eps)
+
+        m = rms_norm(h, w.ln_pre_ff, eps)
+        m = w.down.matmul(gelu_tanh_mul(w.gate.matmul(m), w.up.matmul(m)))
+        h = h + rms_norm(m, w.ln_post_ff, eps)
+
+        if ple is not None:
+            g = gelu_tanh_mul(w.ple_gate.matmul(h), ple[:, spec.index, :])
+            h = h + rms_norm(w.ple_proj.matmul(g), w.ple_norm, eps)
+        if w.layer_scalar is not None:
+            h = h * w.layer_scalar
+        return h
+
+
+def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = m.matmul(x)
+    return y + b if b is not None else y

@@ -1,0 +1,1 @@
+"""What runs a model: KV caches, the engine step, sampling, the generation loop."""

@@ -1,0 +1,1 @@
+"""Checkpoint tools behind the CLI: convert, synth, bench, inspect."""

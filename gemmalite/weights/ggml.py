@@ -1,0 +1,154 @@
+"""GGML block formats (llama.cpp's weight storage) behind the `Matrix` interface.
+
+A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is decoded:
+
+* ``rows(ids)``  decodes just those rows (embedding lookups into a 262k-row table).
+* ``matmul(x)``  for a few input rows (decode, short prompts: see ``FUSED_MAX_T``) runs a numba
+  kernel that decodes one weight row at a time into a per-thread buffer and dots it with every
+  ``x`` row in float32, parallel over output rows for big matrices (``PARALLEL_MIN``): the
+  weights cross the memory bus once, still compressed. Longer inputs (prefill) decode ``SLAB_BYTES``-sized slabs of rows to float32 and
+  let BLAS multiply them, so the float32 copy never exceeds one slab. The slab decode runs on
+  the calling thread: a numba parallel region between BLAS calls fights OpenBLAS's spinning
+  worker threads (measured 10x slower on 2 cores), and BLAS dominates there anyway.
+
+Numerics: the decoders (`gemmalite.kernels.ggml`) reproduce llama.cpp's dequantizers bit for
+bit, so products equal float32 math on the dequantized matrix up to summation order. One
+exception: decode (T=1) on Q8_0 and Q5_0 blocks with AVX2 rounds ``x`` to int16 per block of 32
+(step ``max|x| / 32767``, as gemmalite's own int8 decode; llama.cpp rounds it to 8 bits) and
+sums each block exactly with 16-bit SIMD multiply-adds (``simd.block_row_dot``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..kernels import common
+from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, block_mv1_w8a16, row_bytes, type_name
+from ..kernels.simd import int16_activations
+from .matrix import BF16, Matrix
+
+# The fused kernel is used for T <= FEW_ROWS input rows always, and up to FUSED_MAX_T rows while
+# x (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
+FUSED_MAX_T = 64
+FUSED_MAX_X = 128 * 1024  # T * cols values (512 KiB of x)
+SLAB_BYTES = 4 << 20  # float32 bytes per dequantized slab in the BLAS path
+# Below this much work (weights x max(1, T/4)) the fused kernel stays on the calling thread:
+# waking the thread pool costs more than it saves. Since a decode step makes no BLAS call (so
+# numba's pool is the only one awake), even Gemma 3 270M's 256 x 640 matrices gain from both
+# cores: decode 24.6 -> 35 tok/s with 1 << 16 instead of 1 << 22.
+PARALLEL_MIN = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Float formats: plain numpy views of the stored bytes.
+# ---------------------------------------------------------------------------------------------
+
+
+def _float_rows(raw: np.ndarray, name: str, cols: int) -> np.ndarray:
+    """The raw [rows, bytes] array viewed as [rows, cols] of its stored float dtype."""
+    dt = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16}[name]
+    return raw.view(dt).reshape(raw.shape[0], cols)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class GGMLMatrix(Matrix):
+    """A weight ``[rows, cols]`` kept as GGML blocks (e.g. a memory-mapped GGUF tensor).
+
+    ``raw`` is uint8 with ``rows * row_bytes`` bytes (any shape; it is viewed as
+    ``[rows, row_bytes]`` without copying). Float types (F32/F16/BF16) are served by numpy.
+    """
+
+    def __init__(self, raw: np.ndarray, qtype, shape: tuple[int, int]):
+        self.qtype = type_name(qtype)
+        rows, cols = int(shape[0]), int(shape[1])
+        self.shape = (rows, cols)
+        rb = row_bytes(self.qtype, cols)
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8:
+            raw = raw.view(np.uint8)
+        if raw.size != rows * rb:
+            raise ValueError(f"{self.qtype} {self.shape} needs {rows * rb} bytes, got {raw.size}")
+        self.raw = raw.reshape(rows, rb)
+        self.raw.flags.writeable = False  # one compiled specialisation (GGUF memmaps are read-only)
+        self.block_size = block_info(self.qtype)[0]
+        if self.qtype in FLOAT_TYPES:
+            self._w = _float_rows(self.raw, self.qtype, cols)
+            self._k = None
+        else:
+            self._w = None
+            self._k = KERNELS[self.qtype]
+
+    def __repr__(self) -> str:
+        return f"GGMLMatrix({self.qtype}, {self.shape})"
+
+    def row_slice(self, r0: int, r1: int) -> "GGMLMatrix":
+        """Rows r0..r1 as a new matrix sharing the same bytes (splits a fused QKV weight)."""
+        return GGMLMatrix(self.raw[r0:r1], self.qtype, (r1 - r0, self.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"row ids out of range for {self!r}")
+        if self._w is not None:
+            return self._w[ids].astype(np.float32)
+        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
+        if ids.size:
+            self._k.gather(self.raw, ids, out, W)
+        return out
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        squeeze = x.ndim == 1
+        x2 = x.reshape(1, -1) if squeeze else x
+        if x2.ndim != 2 or x2.shape[1] != self.shape[1]:
+            raise ValueError(f"matmul: x has shape {x.shape}, {self!r} needs [T, {self.shape[1]}]")
+        n_t = x2.shape[0]
+        if self.qtype == "F32":
+            out = x2 @ self._w.T
+        elif self.qtype in ("Q8_0", "Q5_0") and n_t == 1 and common.HAVE_AVX2:
+            xq, xd, _ = int16_activations(x2[0], 32)
+            out = np.empty((1, self.shape[0]), dtype=np.float32)
+            block_mv1_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out[0])
+        elif self._k is not None and self._fused(n_t):
+            out = np.empty((n_t, self.shape[0]), dtype=np.float32)
+            big = self.shape[0] * self.shape[1] * max(1, n_t // 4) >= PARALLEL_MIN
+            (self._k.matvec if big else self._k.matvec_serial)(self.raw, x2, out, W)
+        else:
+            out = self._blas(x2)
+        return out[0] if squeeze else out
+
+    def _fused(self, n_t: int) -> bool:
+        return 0 < n_t and (n_t <= common.FEW_ROWS or (n_t <= FUSED_MAX_T and n_t * self.shape[1] <= FUSED_MAX_X))
+
+    def _blas(self, x: np.ndarray) -> np.ndarray:
+        rows, cols = self.shape
+        out = np.empty((x.shape[0], rows), dtype=np.float32)
+        step = min(rows, max(64, SLAB_BYTES // (4 * cols)))
+        slab = np.empty((step, cols), dtype=np.float32)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            blk = slab[: r1 - r0]
+            if self._w is not None:
+                blk[:] = self._w[r0:r1]
+            else:
+                self._k.gather(self.raw, np.arange(r0, r1), blk, W)
+            out[:, r0:r1] = x @ blk.T
+        return out
+
+
+def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The whole tensor in float32 (tests and conversion); ``shape`` is row-major, last = cols."""
+    shape = tuple(int(s) for s in shape)
+    return GGMLMatrix(raw, qtype, (math.prod(shape[:-1]), shape[-1])).dense().reshape(shape)
+
+
+def quantized_nbytes(qtype, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of this type and (row-major) shape occupies."""
+    return math.prod(shape[:-1]) * row_bytes(qtype, int(shape[-1]))

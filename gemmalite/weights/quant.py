@@ -1,0 +1,335 @@
+"""Weight-only quantized matrices: int8 per output row, int4 in groups along the input.
+
+Both classes implement :class:`gemmalite.weights.matrix.Matrix`. Activations stay 16/32-bit: the math
+is float32, so ``matmul(x)`` agrees with ``x @ dense().T`` to float32 rounding, except decode
+(T=1, AVX2), which rounds ``x`` to int16 per group (the int4 grid's groups; 32 values for
+int8; step ``max|x| / 32767``: W8A16 / W4A16, as NPUs run them) so that the products are
+exact 16-bit integer multiply-adds (:mod:`gemmalite.kernels.simd`); that rounding is ~100 times
+smaller than the int8 weight error and ~1e4 times smaller than the int4 one.
+
+Formats (what ``tensors()`` returns and ``from_tensors()`` reads; the converter stores them in
+safetensors under ``<name>.<key>``):
+
+``Int8Matrix``   ``q`` int8 ``[out, in]``, ``scale`` float32 ``[out]``.
+                 ``W[r, k] = scale[r] * q[r, k]``, symmetric, ``q`` in ``[-127, 127]``.
+
+``Int4Matrix``   ``packed`` uint8 ``[out, in // 2]``, ``scales`` float16 ``[out, in // group]``,
+                 ``mins`` float16 ``[out, in // group]``.
+                 ``W[r, g*G + i] = scales[r, g] * n + mins[r, g]`` with ``n`` in ``0..15``.
+                 The group size is implied by the shapes: ``G = in // scales.shape[1]``.
+
+Int4 layout: within each group of ``G`` values (``G // 2`` bytes), byte ``j`` holds value ``j``
+in its low nibble and value ``j + G//2`` in its high nibble (the llama.cpp Q4_0/Q4_1 order).
+Unpacking one contiguous run of bytes with ``b & 15`` and ``b >> 4`` thus yields two
+*contiguous* runs of values that line up with two contiguous slices of ``x``, so the inner loop
+is plain unit-stride SIMD (load bytes, mask/shift, widen, convert, FMA) with no shuffles.
+
+Int4 is asymmetric (scale + min, "Q4_1"-like) rather than symmetric: on Gaussian, Laplace and
+Student-t weights the fitted asymmetric grid has 12-25 % lower RMS error than a symmetric one
+(with the same scale search), for 2 extra bytes per 32 weights (20 vs 18 bytes, +11 % bytes
+read). The kernel cost is the same inner loop: ``sum_g(d_g * sum(n*x) + m_g * sum_g(x))``,
+where the group sums of ``x`` are computed once per call. The scale and min are fitted per
+group by a weighted least-squares search (llama.cpp ``make_qkx2_quants`` style), which may clip
+a few outliers when that lowers the weighted error; the stored values are then used to
+re-round, so dequantization error is at most ``scale/2`` for every weight inside the grid.
+
+Kernels (numba, in `gemmalite.kernels.quant`): ``matmul`` with ``T <= FEW_ROWS`` runs fused numba kernels (``prange`` over output
+rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles of 4
+rows x 2 tokens with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s on this machine,
+2-3x the float32 BLAS path); int4, and CPUs without AVX2, dequantize row blocks into one
+reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
+machine both int8 and int4 decode run near memory bandwidth (the portable float int4 kernel
+is bound by nibble unpacking at ~6 GB/s). Thread pools: numba's OpenMP workers and
+OpenBLAS's workers each spin after a call; the engine keeps them from overlapping (no BLAS
+call in a decode step; ``OPENBLAS_THREAD_TIMEOUT=4``).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..kernels import common
+from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv1_w4a16, i4_mv4,
+                             i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
+                             i8_mv1_rows4, i8_mv1_w8a16, i8_mv4, i8_quantize, round_int16_rows)
+from ..kernels.simd import TILE_BLOCK, int16_activations
+from .matrix import Matrix
+
+__all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
+
+TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
+QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
+_PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per dequantized prefill block
+LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
+LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections gain)
+
+
+def _as_f32_block(w: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _ids(ids) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(n: int) -> np.ndarray:
+    """A float32 buffer reused by the prefill products of the calling thread (grown on demand):
+    per thread, so that two requests computing at once never share it."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, dtype=np.float32)
+    return buf[:n]
+
+
+def _prefill_rows(cols: int) -> int:
+    b = _PREFILL_ELEMS // max(cols, 1)
+    return int(min(1024, max(256, b - b % 64)))
+
+
+def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [T, {cols}], got {x.shape}")
+    return x
+
+
+class _Quantized(Matrix):
+    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
+        """Prefill: dequantize blocks of rows into a reused buffer, multiply with BLAS.
+
+        The dequantization runs on the calling thread only (serial numba kernel): with a
+        parallel one, numba's OpenMP workers and OpenBLAS's spinning workers would alternate
+        block by block and oversubscribe the two cores. BLAS uses all cores for the product.
+        """
+        n, k = self.shape
+        out = np.empty((x.shape[0], n), dtype=np.float32)
+        b = _prefill_rows(k)
+        buf = _scratch_buffer(min(b, n) * k).reshape(-1, k)
+        for r0 in range(0, n, b):
+            blk = buf[: min(b, n - r0)]
+            self._dequant_range(r0, blk)
+            np.matmul(x, blk.T, out=out[:, r0 : r0 + blk.shape[0]])
+        return out
+
+
+class Int8Matrix(_Quantized):
+    """Symmetric int8 weights, one float32 scale per output row: ``W = scale[:, None] * q``."""
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray):
+        q = np.asarray(q)
+        scale = np.asarray(scale)
+        if q.ndim != 2 or q.dtype != np.int8:
+            raise ValueError(f"q must be a 2-D int8 array, got {q.dtype} {q.shape}")
+        if scale.dtype != np.float32 or scale.shape != (q.shape[0],):
+            raise ValueError(f"scale must be float32 [{q.shape[0]}], got {scale.dtype} {scale.shape}")
+        self.q = np.ascontiguousarray(q)  # no copy when already contiguous (memory-mapped)
+        self.scale = np.ascontiguousarray(scale)
+        self.shape = q.shape
+
+    @property
+    def uses_blas(self) -> bool:
+        """Prefill takes the integer tiles where they apply, else dequantize + BLAS."""
+        return not (common.HAVE_AVX2 and self.shape[1] % TILE_BLOCK == 0)
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> "Int8Matrix":
+        """Quantize a float32/bfloat16/float16 ``[out, in]`` array, QUANT_BLOCK rows at a time."""
+        if w.ndim != 2:
+            raise ValueError("w must be 2-D")
+        n, k = w.shape
+        q = np.empty((n, k), dtype=np.int8)
+        scale = np.empty(n, dtype=np.float32)
+        for r0 in range(0, n, QUANT_BLOCK):
+            r1 = min(n, r0 + QUANT_BLOCK)
+            i8_quantize(_as_f32_block(w[r0:r1]), q[r0:r1], scale[r0:r1])
+        return cls(q, scale)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {"q": self.q, "scale": self.scale}
+
+    @classmethod
+    def from_tensors(cls, d: dict) -> "Int8Matrix":
+        return cls(d["q"], d["scale"])
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def rows(self, ids) -> np.ndarray:
+        ids = _ids(ids)
+        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
+        if ids.size:
+            if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
+                raise IndexError("row id out of range")
+            i8_dequant_ids(self.q, self.scale, ids % self.shape[0], out)
+        return out
+
+    def _dequant_range(self, r0, out):
+        i8_dequant_range(self.q, self.scale, r0, out)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        x = _check_x(x, self.shape[1])
+        t = x.shape[0]
+        if t > common.FEW_ROWS:
+            return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
+        out = np.empty((t, self.shape[0]), dtype=np.float32)
+        if t == 1 and common.HAVE_AVX2 and self.shape[1] % 32 == 0:
+            xq, xd, _ = int16_activations(x[0], 32)
+            i8_mv1_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
+        elif t == 1:
+            (i8_mv1_rows4 if self.shape[1] >= LONG_ROW else i8_mv1)(self.q, self.scale, x, out)
+        elif t > 1:
+            i8_mv4(self.q, self.scale, x, out)
+        return out
+
+    def _matmul_w8a16(self, x: np.ndarray) -> np.ndarray:
+        """Prefill: x rounded to int16 per TILE_BLOCK values, integer tiles, TOKEN_CHUNK tokens at
+        a time (so that a chunk of x stays in L2 while every weight strip passes by)."""
+        t, k = x.shape
+        xq = np.empty((t, k), dtype=np.int16)
+        xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
+        round_int16_rows(x, TILE_BLOCK, xq, xd)
+        out = np.empty((t, self.shape[0]), dtype=np.float32)
+        for t0 in range(0, t, TOKEN_CHUNK):
+            t1 = min(t, t0 + TOKEN_CHUNK)
+            i8_mm_w8a16(self.q, self.scale, xq[t0:t1], xd[t0:t1], out[t0:t1])
+        return out
+
+    def __repr__(self):
+        return f"Int8Matrix{self.shape}"
+
+
+class Int4Matrix(_Quantized):
+    """Asymmetric grouped int4: ``W[r, g*G+i] = scales[r, g] * n + mins[r, g]``, n in 0..15.
+
+    ``packed`` uint8 ``[out, in//2]`` (see the module docstring for the nibble order),
+    ``scales`` and ``mins`` float16 ``[out, in//group]``.
+    """
+
+    GROUPS = (32, 64)
+
+    def __init__(self, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray,
+                 shape: tuple[int, int] | None = None, group: int | None = None):
+        packed = np.asarray(packed)
+        scales = np.asarray(scales)
+        mins = np.asarray(mins)
+        if packed.ndim != 2 or packed.dtype != np.uint8:
+            raise ValueError(f"packed must be 2-D uint8, got {packed.dtype} {packed.shape}")
+        n, k = packed.shape[0], packed.shape[1] * 2
+        if shape is not None and tuple(shape) != (n, k):
+            raise ValueError(f"shape {tuple(shape)} does not match packed {packed.shape}")
+        if scales.ndim != 2 or scales.shape[0] != n or scales.shape[1] == 0:
+            raise ValueError(f"scales must be [{n}, in//group], got {scales.shape}")
+        g = k // scales.shape[1]
+        if group is not None and group != g:
+            raise ValueError(f"group {group} does not match the shapes (implied {g})")
+        _check_group(k, g)
+        if scales.dtype != np.float16 or mins.dtype != np.float16 or mins.shape != scales.shape:
+            raise ValueError("scales and mins must be float16 arrays of the same shape")
+        self.packed = np.ascontiguousarray(packed)
+        self.scales = np.ascontiguousarray(scales)
+        self.mins = np.ascontiguousarray(mins)
+        self._s16 = self.scales.view(np.uint16)
+        self._m16 = self.mins.view(np.uint16)
+        self.group = g
+        self.shape = (n, k)
+
+    @classmethod
+    def quantize(cls, w: np.ndarray, group: int = 32, search: bool = True) -> "Int4Matrix":
+        """Quantize a float32/bfloat16/float16 ``[out, in]`` array, QUANT_BLOCK rows at a time.
+
+        ``search`` fits each group's scale/min by weighted least squares (slower, more
+        accurate); otherwise the grid spans the group's [min, max] exactly.
+        """
+        if w.ndim != 2:
+            raise ValueError("w must be 2-D")
+        n, k = w.shape
+        _check_group(k, group)
+        ng = k // group
+        packed = np.empty((n, k // 2), dtype=np.uint8)
+        scales = np.empty((n, ng), dtype=np.float16)
+        mins = np.empty((n, ng), dtype=np.float16)
+        for r0 in range(0, n, QUANT_BLOCK):
+            r1 = min(n, r0 + QUANT_BLOCK)
+            wb = _as_f32_block(w[r0:r1])
+            d = np.empty((r1 - r0, ng), dtype=np.float32)
+            m = np.empty((r1 - r0, ng), dtype=np.float32)
+            i4_quantize(wb, group, search, d, m)
+            with np.errstate(over="ignore"):
+                d16 = d.astype(np.float16)
+                m16 = m.astype(np.float16)
+            scales[r0:r1] = d16
+            mins[r0:r1] = m16
+            i4_pack(wb, group, d16.astype(np.float32), m16.astype(np.float32), packed[r0:r1])
+        return cls(packed, scales, mins)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {"packed": self.packed, "scales": self.scales, "mins": self.mins}
+
+    @classmethod
+    def from_tensors(cls, d: dict) -> "Int4Matrix":
+        return cls(d["packed"], d["scales"], d["mins"])
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def rows(self, ids) -> np.ndarray:
+        ids = _ids(ids)
+        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
+        if ids.size:
+            if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
+                raise IndexError("row id out of range")
+            i4_dequant_ids(self.packed, self._s16, self._m16, ids % self.shape[0], self.group, out)
+        return out
+
+    def _dequant_range(self, r0, out):
+        i4_dequant_range(self.packed, self._s16, self._m16, r0, self.group, out)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        x = _check_x(x, self.shape[1])
+        t = x.shape[0]
+        if t > common.FEW_ROWS:
+            return self._matmul_blocked(x)
+        out = np.empty((t, self.shape[0]), dtype=np.float32)
+        if t == 0:
+            return out
+        if t == 1 and common.HAVE_AVX2:
+            xq, xd, xs = int16_activations(x[0], self.group)
+            i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
+                          4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
+            return out
+        xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
+        group_sums(x, self.group, xs)
+        if t == 1:
+            i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out)
+        else:
+            i4_mv4(self.packed, self._s16, self._m16, x, xs, self.group, out)
+        return out
+
+    def __repr__(self):
+        return f"Int4Matrix{self.shape}(group={self.group})"
+
+
+def _check_group(k: int, group: int) -> None:
+    if group not in Int4Matrix.GROUPS:
+        raise ValueError(f"int4 group size must be one of {Int4Matrix.GROUPS}, got {group}")
+    if k % group:
+        raise ValueError(f"in features ({k}) must be divisible by the group size ({group})")
+
+
+def quantize(w: np.ndarray, kind: str) -> "Int8Matrix | Int4Matrix":
+    """``kind`` "int8" or "int4"; int4 falls back to int8 for a matrix whose input width is not a
+    multiple of the group (only toy shapes: real Gemma widths are multiples of 256)."""
+    if kind == "int4" and w.shape[1] % Int4Matrix.GROUPS[0] == 0:
+        return Int4Matrix.quantize(w)
+    if kind not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {kind!r}")
+    return Int8Matrix.quantize(w)

@@ -1,0 +1,55 @@
+"""The ring-buffer KV cache: what it keeps, what it forgets, when it can roll back."""
+import numpy as np
+
+from gemmalite.runtime.cache import KVRing, KVState
+
+
+def _kv(positions, heads=1, dim=2):
+    k = np.stack([np.full((heads, dim), p, np.float32) for p in positions])
+    return k, -k
+
+
+def test_sliding_ring_keeps_exactly_the_last_window():
+    ring = KVRing(4, 1, 2, window=4)
+    for p in range(10):
+        ring.write(*_kv([p]), start=p)
+    k, v, pos = ring.view()
+    assert sorted(pos.tolist()) == [6, 7, 8, 9]
+    assert ring.k.shape[0] == 4  # never grows past the window
+    for kk, pp in zip(k, pos):
+        assert kk[0, 0] == pp
+
+
+def test_prefill_longer_than_ring_keeps_tail():
+    ring = KVRing(4, 1, 2, window=4)
+    ring.write(*_kv(range(7)), start=0)
+    assert sorted(ring.view()[2].tolist()) == [3, 4, 5, 6]
+    assert ring.evicts(2) and not ring.evicts(1)
+
+
+def test_full_ring_views_without_copy_and_truncates():
+    ring = KVRing(16, 1, 2, window=None)
+    ring.write(*_kv(range(5)), start=0)
+    k, _, pos = ring.view()
+    assert np.shares_memory(k, ring.k) and pos.tolist() == [0, 1, 2, 3, 4]
+    assert ring.can_truncate(3)
+    ring.truncate(3)
+    assert ring.length == 3 and ring.view()[2].tolist() == [0, 1, 2]
+
+
+def test_wrapped_sliding_ring_refuses_deep_rollback():
+    ring = KVRing(4, 1, 2, window=4)
+    ring.write(*_kv(range(10)), start=0)
+    assert ring.can_truncate(9)  # position 9 needs 6..8: still stored
+    assert not ring.can_truncate(7)  # position 7 needs 4..6: 4 and 5 were overwritten
+
+
+def test_state_truncate_is_all_or_nothing():
+    rings = {0: KVRing(4, 1, 2, window=4), 1: KVRing(32, 1, 2, window=None)}
+    state = KVState(rings, context=32)
+    for r in rings.values():
+        r.write(*_kv(range(10)), start=0)
+    state.length, state.tokens = 10, list(range(10))
+    assert not state.truncate(5)
+    assert state.length == 10 and rings[1].length == 10  # unchanged
+    assert state.truncate(9) and state.tokens == list(range(9)) and rings[1].length == 9

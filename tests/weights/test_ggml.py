@@ -1,0 +1,127 @@
+"""GGML block formats: decoding is bit-exact against gguf-py's reference dequantizers, products
+are float32 math on those weights, and every code path (gather, fused kernel, BLAS slabs) agrees."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from gemmalite.kernels import ggml as ggml_kernels
+from gemmalite.kernels.common import HAVE_AVX2
+from gemmalite.kernels.ggml import block_info
+from gemmalite.weights import ggml
+from gemmalite.weights.ggml import GGMLMatrix, dequantize
+
+QUANT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+FLOAT = ["F32", "F16", "BF16"]
+ROWS, COLS = 40, 512
+
+
+def make_raw(name: str, rows: int = ROWS, cols: int = COLS, seed: int = 0) -> np.ndarray:
+    """[rows, row_bytes] uint8: quantized by gguf-py where it can, else random bytes with sane
+    float16 scales (the K-quant decoders take any bit pattern for the quants)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3.0, size=(rows, 1))).astype(np.float32)
+    try:
+        return np.ascontiguousarray(quants.quantize(w, Q[name])).view(np.uint8).reshape(rows, -1)
+    except NotImplementedError:
+        bs, ts = block_info(name)
+        raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+        d = rng.uniform(1e-4, 0.05, size=(rows, cols // bs, 2)).astype(np.float16).view(np.uint8)
+        if name in ("Q4_K", "Q5_K"):  # d, dmin at bytes 0..3
+            raw[..., 0:4] = d.reshape(rows, cols // bs, 4)
+        else:  # Q6_K: d at the end
+            raw[..., 208:210] = d[..., :2]
+        return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, name: str) -> np.ndarray:
+    return quants.dequantize(raw, Q[name]).reshape(raw.shape[0], -1).astype(np.float32)
+
+
+def close_to_f64(y: np.ndarray, x: np.ndarray, w: np.ndarray, name: str = "") -> None:
+    """float32 accumulation error bound: |y - x@w.T| <= 1e-5 * (|x| @ |w|.T) (+ denormal slack),
+    plus, where decode rounds x to int16 per 32 values (Q8_0 / Q5_0, one row, AVX2), half a
+    rounding step per value: |w| @ (max|x| per 32 / 32767 / 2)."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64.T
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+    if name in ("Q8_0", "Q5_0") and x.shape[0] == 1 and HAVE_AVX2:
+        step = np.repeat(np.abs(x64.reshape(-1, 32)).max(1) / 32767 / 2, 32)[None, :]
+        bound += step @ np.abs(w64).T
+    assert np.all(np.abs(y - ref) <= bound), float(np.max(np.abs(y - ref) / bound))
+
+
+@pytest.mark.parametrize("name", QUANT + FLOAT)
+def test_dequantize_matches_gguf_reference_bit_for_bit(name):
+    raw = make_raw(name)
+    ref = reference(raw, name)
+    assert np.array_equal(dequantize(raw, name, (ROWS, COLS)), ref)
+    ids = np.array([7, 0, ROWS - 1, 7, 3])
+    assert np.array_equal(GGMLMatrix(raw, name, (ROWS, COLS)).rows(ids), ref[ids])
+
+
+@pytest.mark.parametrize("name", QUANT + FLOAT)
+@pytest.mark.parametrize("t", [1, 3, 37, ggml.FUSED_MAX_T, ggml.FUSED_MAX_T + 1])
+def test_matmul_is_float32_math_on_dequantized_weights(name, t):
+    """(Q8_0 / Q5_0 decode: with the int16 activation rounding of the W8A16 kernel.)"""
+    raw = make_raw(name, seed=1)
+    w = reference(raw, name)
+    x = np.random.default_rng(t).standard_normal((t, COLS)).astype(np.float32)
+    y = GGMLMatrix(raw, name, (ROWS, COLS)).matmul(x)
+    assert y.shape == (t, ROWS) and y.dtype == np.float32
+    close_to_f64(y, x, w, name)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_parallel_fused_kernel(name, monkeypatch):
+    """Small matrices stay on the calling thread; force the thread-pool kernel (ragged last chunk)."""
+    monkeypatch.setattr(ggml, "PARALLEL_MIN", 0)
+    raw = make_raw(name, rows=ggml_kernels.ROW_CHUNK * 3 + 5, seed=5)
+    w = reference(raw, name)
+    for t in (1, 6):
+        x = np.random.default_rng(t).standard_normal((t, COLS)).astype(np.float32)
+        close_to_f64(GGMLMatrix(raw, name, (raw.shape[0], COLS)).matmul(x), x, w, name)
+
+
+def test_blas_path_in_several_slabs(monkeypatch):
+    """Slabs smaller than the matrix, with a ragged last one, give the same products."""
+    raw = make_raw("Q4_K", rows=200, seed=2)
+    w = reference(raw, "Q4_K")
+    monkeypatch.setattr(ggml, "SLAB_BYTES", 64 * COLS * 4)
+    x = np.random.default_rng(3).standard_normal((ggml.FUSED_MAX_T + 5, COLS)).astype(np.float32)
+    close_to_f64(GGMLMatrix(raw, "Q4_K", (200, COLS)).matmul(x), x, w)
+
+
+def test_one_dimensional_input_and_type_ids():
+    raw = make_raw("Q8_0")
+    m = GGMLMatrix(raw.reshape(-1), Q.Q8_0, (ROWS, COLS))  # flat bytes, gguf enum
+    x = np.random.default_rng(4).standard_normal(COLS).astype(np.float32)
+    y = m.matmul(x)
+    assert y.shape == (ROWS,)
+    np.testing.assert_array_equal(y, m.matmul(x[None])[0])
+    assert m.nbytes == raw.nbytes and m.shape == (ROWS, COLS) and m.qtype == "Q8_0"
+
+
+def test_row_slice_shares_bytes():
+    raw = make_raw("Q6_K")
+    m = GGMLMatrix(raw, "Q6_K", (ROWS, COLS))
+    part = m.row_slice(5, 12)
+    assert part.shape == (7, COLS) and np.shares_memory(part.raw, m.raw)
+    np.testing.assert_array_equal(part.dense(), m.dense()[5:12])
+
+
+def test_bad_inputs_raise_value_errors():
+    raw = make_raw("Q4_0")
+    with pytest.raises(ValueError, match="bytes"):
+        GGMLMatrix(raw[:-1], "Q4_0", (ROWS, COLS))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        GGMLMatrix(raw, "Q4_0", (ROWS * 2, COLS // 2 + 16))
+    with pytest.raises(ValueError, match="unsupported"):
+        GGMLMatrix(raw, "Q2_K", (ROWS, COLS))
+    m = GGMLMatrix(raw, "Q4_0", (ROWS, COLS))
+    with pytest.raises(ValueError, match="needs"):
+        m.matmul(np.zeros((2, COLS + 1), np.float32))
+    with pytest.raises(IndexError):
+        m.rows(np.array([ROWS]))

@@ -1,0 +1,288 @@
+"""Int8 / Int4 weight-only quantized matrices: error bounds, kernels vs dense, round-trips."""
+import numpy as np
+import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import gemmalite.weights.quant as quant  # noqa: E402
+from gemmalite.formats.converted import QUANT_METHOD, assemble  # noqa: E402
+from gemmalite.kernels import common  # noqa: E402
+from gemmalite.kernels.simd import TILE_BLOCK  # noqa: E402
+from gemmalite.weights.quant import Int4Matrix, Int8Matrix  # noqa: E402
+
+TS = (1, 2, 3, 4, 5, 17, 64)
+
+
+def from_converted(t: dict, fmt: str):
+    """A matrix rebuilt from its tensors the way a converted checkpoint is loaded."""
+    return assemble({f"w.{k}": v for k, v in t.items()}, {"quant_method": QUANT_METHOD, "formats": {"w": fmt}})["w"]
+
+
+def _w(rows, cols, seed=0, dist="normal"):
+    rng = np.random.default_rng(seed)
+    if dist == "t":
+        w = rng.standard_t(3, size=(rows, cols))
+    else:
+        w = rng.standard_normal((rows, cols))
+    w = (0.02 * w).astype(np.float32)
+    w[3] = 0.0  # an all-zero row
+    w[5, :7] = 0.5  # a few large outliers in one group
+    w[7] += 0.01  # a row with an offset (asymmetric groups)
+    return w
+
+
+def _activation_step(m, x):
+    """Half the int16 rounding step of each activation where the kernel quantizes them (with
+    AVX2: T=1 per group of the int4 grid or of 32 for int8; int8 prefill per TILE_BLOCK values;
+    step = max|x| / 32767), else 0: the kernel's only error beyond float32."""
+    t, k = x.shape
+    if not common.HAVE_AVX2:
+        return np.zeros_like(x)
+    if isinstance(m, Int4Matrix):
+        group = m.group if t == 1 else 0
+    elif t == 1:
+        group = 32
+    else:
+        group = TILE_BLOCK if t > common.FEW_ROWS else 0
+    if not group or k % group:
+        return np.zeros_like(x)
+    amax = np.abs(x.reshape(t, k // group, group)).max(2) / 32767
+    return np.repeat(amax / 2, group, axis=1)
+
+
+def _check_matmul(m, seed=1, ts=TS):
+    d = m.dense()
+    rng = np.random.default_rng(seed)
+    for t in ts:
+        x = rng.standard_normal((t, m.shape[1])).astype(np.float32)
+        x[:, :5] *= 30  # outliers, as in real activations
+        y = m.matmul(x)
+        assert y.shape == (t, m.shape[0]) and y.dtype == np.float32
+        ref = x.astype(np.float64) @ d.T.astype(np.float64)
+        # forward error bound of a float32 dot product, relative to sum |x||w|, plus the
+        # activation rounding where there is one (sum |w| * step / 2)
+        bound = 1e-5 * (np.abs(x) @ np.abs(d).T) + _activation_step(m, x) @ np.abs(d).T + 1e-30
+        err = np.abs(y - ref)
+        assert np.all(err <= bound), (t, float((err / bound).max()))
+        np.testing.assert_allclose(y, x @ d.T, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+# ----------------------------------------------------------------------------- int8
+
+
+@pytest.mark.parametrize("src", ["f32", "bf16"])
+def test_int8_error_bound(src):
+    w = _w(96, 160)
+    if src == "bf16":
+        w = w.astype(ml_dtypes.bfloat16)
+    m = Int8Matrix.quantize(w)
+    wf = w.astype(np.float32)
+    assert m.q.dtype == np.int8 and m.scale.dtype == np.float32 and m.shape == w.shape
+    np.testing.assert_allclose(m.scale, np.abs(wf).max(1) / 127, rtol=1e-6)
+    err = np.abs(m.dense() - wf)
+    assert np.all(err <= m.scale[:, None] * (0.5 + 1e-5) + 1e-12)
+    assert np.all(m.dense()[3] == 0)
+    assert np.abs(m.q).max() == 127
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("long_rows", [True, False])
+def test_int8_matmul_and_rows(simd, long_rows, monkeypatch):
+    if simd and not common.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(common, "HAVE_AVX2", simd)  # False: the portable float kernels
+    for name in ("LONG_ROW", "LONG_ROW_SIMD"):  # 4 rows per task or 1
+        monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
+    m = Int8Matrix.quantize(_w(203, 96))
+    _check_matmul(m)
+    d = m.dense()
+    ids = np.array([0, 202, 5, 5, 3, -1])
+    np.testing.assert_array_equal(m.rows(ids), d[ids])
+    np.testing.assert_array_equal(d, m.scale[:, None] * m.q.astype(np.float32))
+    assert m.rows(np.array([], dtype=np.int64)).shape == (0, 96)
+    assert m.nbytes == 203 * 96 + 203 * 4
+
+
+def test_int8_blocked_quantize_and_large_prefill(monkeypatch):
+    import gemmalite.weights.quant as quant
+
+    monkeypatch.setattr(quant, "QUANT_BLOCK", 64)  # several row blocks, ragged last
+    monkeypatch.setattr(quant, "_PREFILL_ELEMS", 64 * 96)
+    w = _w(300, 96, seed=3).astype(ml_dtypes.bfloat16)
+    m = Int8Matrix.quantize(w)
+    ref = Int8Matrix.quantize(w.astype(np.float32))
+    np.testing.assert_array_equal(m.q, ref.q)
+    np.testing.assert_array_equal(m.scale, ref.scale)
+    _check_matmul(m)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_int8_prefill_kernel(simd, monkeypatch):
+    """Prefill products: the int16-activation tile kernel (4x2 tiles, row / token tails,
+    several token chunks) and the dequantize + BLAS path, both within their error bounds."""
+    if simd and not common.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(common, "HAVE_AVX2", simd)
+    monkeypatch.setattr(quant, "TOKEN_CHUNK", 16)
+    _check_matmul(Int8Matrix.quantize(_w(203, 2 * TILE_BLOCK, seed=6)), ts=(5, 17, 40))
+
+
+def test_int8_tensors_roundtrip_no_copy():
+    m = Int8Matrix.quantize(_w(40, 64))
+    t = m.tensors()
+    assert set(t) == {"q", "scale"}
+    m2 = Int8Matrix.from_tensors(t)
+    assert m2.q is m.q or np.shares_memory(m2.q, m.q)
+    m3 = from_converted({k: v.copy() for k, v in t.items()}, "int8")
+    assert isinstance(m3, Int8Matrix)
+    np.testing.assert_array_equal(m3.dense(), m.dense())
+    with pytest.raises(ValueError):
+        Int8Matrix(m.q.astype(np.int16), m.scale)
+
+
+def test_int8_readonly_memmap(tmp_path):
+    m = Int8Matrix.quantize(_w(64, 32))
+    np.save(tmp_path / "q.npy", m.q)
+    np.save(tmp_path / "s.npy", m.scale)
+    mm = Int8Matrix(np.load(tmp_path / "q.npy", mmap_mode="r"), np.load(tmp_path / "s.npy", mmap_mode="r"))
+    x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
+    np.testing.assert_array_equal(mm.matmul(x), m.matmul(x))
+    np.testing.assert_array_equal(mm.rows([1, 2]), m.rows([1, 2]))
+
+
+# ----------------------------------------------------------------------------- int4
+
+
+def _check_int4_bound(m, w):
+    """Every weight inside its group's grid is within scale/2; outside it clips to the edge."""
+    wf = w.astype(np.float32)
+    n, k = wf.shape
+    g = m.group
+    d = np.repeat(m.scales.astype(np.float32), g, axis=1)
+    mn = np.repeat(m.mins.astype(np.float32), g, axis=1)
+    deq = m.dense()
+    err = np.abs(deq - wf)
+    lo_edge, hi_edge = mn, mn + 15 * d
+    inside = (wf >= lo_edge - d / 2) & (wf <= hi_edge + d / 2)
+    tol = d * (0.5 + 1e-4) + np.abs(mn) * 1e-6 + 1e-9
+    assert np.all(err[inside] <= tol[inside])
+    # clipped values (the fit may clip outliers) dequantize exactly to the nearer grid edge
+    out = ~inside
+    edge = np.where(wf > hi_edge, hi_edge, lo_edge)
+    np.testing.assert_allclose(deq[out], edge[out], rtol=1e-6, atol=1e-9)
+    return err
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("src", ["f32", "bf16"])
+def test_int4_error_bound(group, src):
+    w = _w(64, 256, dist="t")
+    if src == "bf16":
+        w = w.astype(ml_dtypes.bfloat16)
+    m = Int4Matrix.quantize(w, group=group)
+    assert m.group == group and m.shape == w.shape
+    assert m.packed.dtype == np.uint8 and m.packed.shape == (64, 128)
+    assert m.scales.dtype == np.float16 and m.scales.shape == (64, 256 // group)
+    _check_int4_bound(m, w)
+    assert np.all(m.dense()[3] == 0)
+    # without the search the grid spans [min, max], so nothing is clipped
+    m0 = Int4Matrix.quantize(w, group=group, search=False)
+    err0 = _check_int4_bound(m0, w)
+    assert np.all(err0 <= np.repeat(m0.scales.astype(np.float32), group, 1) * 0.5001 + 1e-9)
+
+
+def test_int4_search_lowers_error():
+    w = _w(128, 256, seed=4)
+    wf = w.astype(np.float32)
+    e_search = np.sqrt(((Int4Matrix.quantize(w).dense() - wf) ** 2).mean())
+    e_plain = np.sqrt(((Int4Matrix.quantize(w, search=False).dense() - wf) ** 2).mean())
+    assert e_search < e_plain
+    assert e_search < 0.085 * wf.std()  # ~0.071 sigma on Gaussian weights
+
+
+def test_int4_layout():
+    """Byte j of a group: value j in the low nibble, value j + G/2 in the high nibble."""
+    n, k, g = 2, 64, 32
+    w = np.tile(np.arange(32, dtype=np.float32) % 16, (n, k // 32))  # exact on a 0..15 grid
+    m = Int4Matrix.quantize(w, group=g, search=False)
+    np.testing.assert_array_equal(m.dense(), w)
+    np.testing.assert_array_equal(m.packed[0, :16], np.arange(16, dtype=np.uint8) * 17)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_matmul_and_rows(group, simd, monkeypatch):
+    if simd and not common.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(common, "HAVE_AVX2", simd)  # False: the portable float kernel
+    m = Int4Matrix.quantize(_w(200, 192, seed=2), group=group)
+    _check_matmul(m)
+    d = m.dense()
+    ids = np.array([0, 199, 5, 5, 3, -2])
+    np.testing.assert_array_equal(m.rows(ids), d[ids])
+    ng = 192 // group
+    assert m.nbytes == 200 * 96 + 2 * 200 * ng * 2
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_four_rows_per_task_kernel(group, monkeypatch):
+    """The long-row decode kernel (four rows share each load of x), with a ragged tail."""
+    monkeypatch.setattr(quant, "LONG_ROW_SIMD", 0)
+    _check_matmul(Int4Matrix.quantize(_w(203, 256, seed=4), group=group))
+
+
+def test_int4_prefill_blocks(monkeypatch):
+    import gemmalite.weights.quant as quant
+
+    monkeypatch.setattr(quant, "QUANT_BLOCK", 50)
+    monkeypatch.setattr(quant, "_PREFILL_ELEMS", 64 * 128)
+    w = _w(333, 128, seed=5).astype(ml_dtypes.bfloat16)
+    m = Int4Matrix.quantize(w)
+    _check_int4_bound(m, w)
+    _check_matmul(m)
+
+
+def test_int4_tensors_roundtrip():
+    m = Int4Matrix.quantize(_w(48, 128), group=64)
+    t = m.tensors()
+    assert set(t) == {"packed", "scales", "mins"}
+    m2 = Int4Matrix.from_tensors({k: v.copy() for k, v in t.items()})
+    assert m2.group == 64 and m2.shape == (48, 128)
+    np.testing.assert_array_equal(m2.dense(), m.dense())
+    m3 = from_converted(t, "int4")
+    assert isinstance(m3, Int4Matrix) and np.shares_memory(m3.packed, m.packed)
+    m4 = Int4Matrix(t["packed"], t["scales"], t["mins"], (48, 128), 64)
+    np.testing.assert_array_equal(m4.dense(), m.dense())
+
+
+def test_int4_bad_group():
+    w = _w(8, 96)
+    with pytest.raises(ValueError):
+        Int4Matrix.quantize(w, group=64)  # 96 not divisible by 64
+    with pytest.raises(ValueError):
+        Int4Matrix.quantize(w, group=48)  # unsupported group size
+    m = Int4Matrix.quantize(w, group=32)
+    t = m.tensors()
+    with pytest.raises(ValueError):
+        Int4Matrix(t["packed"], t["scales"], t["mins"], group=64)
+    with pytest.raises(ValueError):
+        Int4Matrix(t["packed"], t["scales"], t["mins"], shape=(8, 64))
+
+
+def test_bad_x_shape():
+    m = Int8Matrix.quantize(_w(16, 32))
+    with pytest.raises(ValueError):
+        m.matmul(np.zeros((1, 31), np.float32))
+
+
+def test_int8_long_rows_use_the_four_row_kernel_exactly():
+    """Rows of >= LONG_ROW values take the 4-rows-at-a-time decode kernel; a row count that is
+    not a multiple of 4 exercises its tail."""
+    from gemmalite.weights.quant import LONG_ROW
+
+    rng = np.random.default_rng(7)
+    m = Int8Matrix.quantize(rng.standard_normal((11, LONG_ROW + 8), dtype=np.float32))
+    x = rng.standard_normal((1, LONG_ROW + 8), dtype=np.float32)
+    ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
+    got = m.matmul(x)
+    assert np.abs(got - ref).max() <= 1e-5 * (np.abs(x) @ np.abs(m.dense()).T).max()
