@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from ..models.gemma.config import ConfigError, ModelConfig
-from ..tokenizer import Tokenizer
-from ..weights.ggml import GGMLMatrix
+from ..errors import ConfigError
+from ..models.gemma.config import ModelConfig
+from ..models.gemma.contract import expected_shapes
 from ..weights.matrix import Matrix
 from .gguf import GGUFError, GGUFFile, TensorInfo, read_gguf
 from .gguf_tokenizer import special_token_info, tokenizer_from_gguf_metadata
@@ -99,8 +99,9 @@ def norm_offset(arch: str) -> float:
 
 def hf_tensors(gf: GGUFFile, *, hf_norms: bool = True) -> dict[str, Matrix | np.ndarray]:
     """The file's tensors under HF text names. With ``hf_norms`` the norm offset is removed
-    (HF convention); a fused ``attn_qkv`` is split into q/k/v row ranges without copying."""
-    arch, cfg, out = gf.arch, None, {}
+    (HF convention); a fused ``attn_qkv`` is split into q/k/v row ranges without copying, at the
+    row counts the tensor contract gives q and k."""
+    arch, shapes, out = gf.arch, None, {}
     shift = norm_offset(arch) if hf_norms else 0.0
     for name, t in gf.tensors.items():
         hf = hf_name(name, arch)
@@ -109,25 +110,21 @@ def hf_tensors(gf: GGUFFile, *, hf_norms: bool = True) -> dict[str, Matrix | np.
         if shift and hf.endswith("norm.weight"):
             t = t - np.float32(shift)
         if hf.endswith("qkv_proj.weight"):
-            cfg = cfg or hf_config(gf)
-            out.update(_split_qkv(hf, t, cfg))
+            shapes = shapes or expected_shapes(_model_config(gf))
+            base = hf[: -len("qkv_proj.weight")]
+            q, k = shapes[base + "q_proj.weight"][0], shapes[base + "k_proj.weight"][0]
+            out |= {base + "q_proj.weight": t.row_slice(0, q), base + "k_proj.weight": t.row_slice(q, q + k),
+                    base + "v_proj.weight": t.row_slice(q + k, t.shape[0])}
             continue
         out[hf] = t
     return out
 
 
-def _split_qkv(hf: str, w: GGMLMatrix, cfg: dict) -> dict[str, GGMLMatrix]:
-    layer = int(hf.split(".")[1])
-    full = cfg["layer_types"][layer] == "full_attention"
-    d = cfg.get("global_head_dim", cfg["head_dim"]) if full else cfg["head_dim"]
-    kv = cfg["num_key_value_heads"]
-    if full:
-        kv = cfg.get("num_global_key_value_heads") or kv
-    q = cfg["num_attention_heads"] * d
-    k = kv * d
-    base = hf[: -len("qkv_proj.weight")]
-    return {base + "q_proj.weight": w.row_slice(0, q), base + "k_proj.weight": w.row_slice(q, q + k),
-            base + "v_proj.weight": w.row_slice(q + k, w.shape[0])}
+def _model_config(gf: GGUFFile) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf_config(gf))
+    except ConfigError as e:
+        raise GGUFError(f"{gf.path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,10 +269,7 @@ def load_gguf_parts(path: str | os.PathLike):
     Tensors follow the HF convention (norm offset removed, so the engine's ``offset + w`` gives
     back the stored factor); generation stops on llama.cpp's end-of-generation tokens."""
     gf = read_gguf(path)
-    try:
-        cfg = ModelConfig.from_hf(hf_config(gf))
-    except ConfigError as e:
-        raise GGUFError(f"{gf.path}: {e}") from None
+    cfg = _model_config(gf)
     info = special_token_info(gf.metadata)
     gen = {"eos_token_id": info["eog_token_ids"], "bos_token_id": info["bos_token_id"],
            "pad_token_id": info["pad_token_id"]}

@@ -6,7 +6,6 @@ close a run is to the machine's limit.
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
