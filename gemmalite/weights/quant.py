@@ -99,7 +99,21 @@ def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
 
 class _Quantized(Matrix):
     def _dequant_range(self, r0: int, out: np.ndarray) -> None:
+        """Rows ``r0 .. r0 + len(out)`` in float32 into ``out``."""
         raise NotImplementedError
+
+    def _dequant_ids(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``ids`` (in range) in float32 into ``out``."""
+        raise NotImplementedError
+
+    def rows(self, ids) -> np.ndarray:
+        ids = _ids(ids)
+        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
+        if ids.size:
+            if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
+                raise IndexError("row id out of range")
+            self._dequant_ids(ids % self.shape[0], out)
+        return out
 
     def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
         """Prefill: dequantize blocks of rows into a reused buffer, multiply with BLAS.
@@ -162,14 +176,8 @@ class Int8Matrix(_Quantized):
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
-    def rows(self, ids) -> np.ndarray:
-        ids = _ids(ids)
-        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
-        if ids.size:
-            if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
-                raise IndexError("row id out of range")
-            i8_dequant_ids(self.q, self.scale, ids % self.shape[0], out)
-        return out
+    def _dequant_ids(self, ids, out):
+        i8_dequant_ids(self.q, self.scale, ids, out)
 
     def _dequant_range(self, r0, out):
         i8_dequant_range(self.q, self.scale, r0, out)
@@ -281,14 +289,8 @@ class Int4Matrix(_Quantized):
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales.nbytes + self.mins.nbytes
 
-    def rows(self, ids) -> np.ndarray:
-        ids = _ids(ids)
-        out = np.empty((ids.size, self.shape[1]), dtype=np.float32)
-        if ids.size:
-            if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
-                raise IndexError("row id out of range")
-            i4_dequant_ids(self.packed, self._s16, self._m16, ids % self.shape[0], self.group, out)
-        return out
+    def _dequant_ids(self, ids, out):
+        i4_dequant_ids(self.packed, self._s16, self._m16, ids, self.group, out)
 
     def _dequant_range(self, r0, out):
         i4_dequant_range(self.packed, self._s16, self._m16, r0, self.group, out)
