@@ -56,6 +56,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def prepends_bos(self) -> bool:
+        """Does `encode` add ``<bos>`` itself (the tokenizer's post-processor does not)?"""
+        return self._prepend_bos
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
@@ -176,7 +181,7 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
 def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (Hugging Face layout)."""
     tok.tk.save(str(out / "tokenizer.json"))
-    conf = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": tok._prepend_bos, "add_eos_token": False,
+    conf = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": tok.prepends_bos, "add_eos_token": False,
             **tok.special_tokens}
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
     if tok.chat_template:
