@@ -1,0 +1,5 @@
+"""Images: Gemma 4 image preprocessing and the Gemma 4 vision tower (used by Gemma 4 chat and
+EmbeddingGemma 2). Pillow decodes images; it is imported only when an image is read."""
+from .preprocess import ImageError, ImagePatches, ImageProcessorConfig, preprocess
+
+__all__ = ["ImageError", "ImagePatches", "ImageProcessorConfig", "preprocess"]

@@ -1,0 +1,116 @@
+"""The vision tower against transformers' Gemma 4 tower + embed_vision (random weights, every one
+randomised), loaded from a Gemma4ForConditionalGeneration and an EmbeddingGemma2Model folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vision_oracle as vo
+from gemmalite.checkpoint import read_safetensors
+from gemmalite.errors import CheckpointError
+from gemmalite.vision.preprocess import ImageProcessorConfig, preprocess
+from gemmalite.vision.tower import Linear, build_vision_tower
+
+PIL = pytest.importorskip("PIL.Image")
+
+# (name, vision config, checkpoint layout, images as (height, width, max_soft_tokens))
+CASES = {
+    "gemma4-clipped": (vo.CLIPPED, "gemma4", [(50, 90, 70), (120, 40, 140), (64, 64, 70)]),
+    "eg2-plain": (vo.PLAIN, "eg2", [(200, 150, 70), (90, 300, 70)]),
+}
+
+
+def _image(h: int, w: int, seed: int):
+    rng = np.random.RandomState(seed)
+    # smooth + noise: resizing has real work to do
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([np.sin(xx / 7.0 + c) * np.cos(yy / 5.0 - c) for c in range(3)], -1) * 100 + 128
+    return PIL.fromarray(np.clip(base + rng.randn(h, w, 3) * 20, 0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    name = request.param
+    vcfg, layout, images = CASES[name]
+    path = tmp_path_factory.mktemp(name)
+    model, inner = vo.make_vision_checkpoint(path, vcfg, layout=layout)
+    tensors = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(read_safetensors(f))
+    return dict(name=name, vcfg=vcfg, inner=inner, tensors=tensors, config=vo.read_config(path), images=images)
+
+
+def _refs(case, max_soft):
+    v = case["vcfg"]
+    proc = vo.image_processor(v["patch_size"], v["pooling_kernel_size"], max_soft)
+    pcfg = ImageProcessorConfig(v["patch_size"], v["pooling_kernel_size"], max_soft)
+    return proc, pcfg
+
+
+def test_soft_tokens_match_float64_reference(case):
+    tower = build_vision_tower(case["tensors"], case["config"])
+    for i, (h, w, max_soft) in enumerate(case["images"]):
+        im = _image(h, w, i)
+        proc, pcfg = _refs(case, max_soft)
+        ref64 = vo.hf_image_features(case["inner"], im, proc, torch.float64)
+        ref32 = vo.hf_image_features(case["inner"], im, proc, torch.float32)
+        ours = tower(preprocess(im, pcfg))
+        assert ours.dtype == np.float32 and ours.shape == ref64.shape, (ours.shape, ref64.shape)
+        assert ours.shape[1] == case["config"]["text_config"]["hidden_size"]
+        cos = vo.row_cosines(ours, ref64)
+        assert cos.min() >= 0.99999, (case["name"], i, 1 - cos.min())
+        # as close to the float64 reference as transformers' own float32 run is (x4 slack)
+        assert np.abs(ours - ref64).max() <= 4 * np.abs(ref32 - ref64).max() + 1e-6
+
+
+def test_int8_soft_tokens(case):
+    tower = build_vision_tower(case["tensors"], case["config"], quant="int8")
+    assert all(type(m).__name__ == "Int8Matrix" for m in tower.matrices())
+    h, w, max_soft = case["images"][0]
+    im = _image(h, w, 0)
+    proc, pcfg = _refs(case, max_soft)
+    cos = vo.row_cosines(tower(preprocess(im, pcfg)), vo.hf_image_features(case["inner"], im, proc))
+    assert cos.min() >= 0.999, 1 - cos.min()
+
+
+def test_options_are_exercised(case):
+    """The clip bounds bind and standardize moves the output: dropping either breaks parity."""
+    v = case["vcfg"]
+    if not v["use_clipped_linears"]:
+        pytest.skip("plain config")
+    h, w, max_soft = case["images"][0]
+    im = _image(h, w, 0)
+    proc, pcfg = _refs(case, max_soft)
+    ref = vo.hf_image_features(case["inner"], im, proc)
+    patches = preprocess(im, pcfg)
+    unclipped = build_vision_tower(case["tensors"], case["config"])
+    for layer in unclipped.layers:
+        for lin in layer.linears():
+            assert isinstance(lin, Linear) and lin.clip is not None
+            lin.clip = None
+    assert vo.row_cosines(unclipped(patches), ref).min() < 0.999
+    unstd = build_vision_tower(case["tensors"], case["config"])
+    unstd.std = None
+    assert vo.row_cosines(unstd(patches), ref).min() < 0.999
+
+
+def test_bad_checkpoints(case):
+    tensors, config = case["tensors"], case["config"]
+    prefix = "model.vision_tower." if case["name"].startswith("gemma4") else "vision_tower."
+    name = prefix + "encoder.layers.1.mlp.up_proj.linear.weight"
+    broken = {k: v for k, v in tensors.items() if k != name}
+    with pytest.raises(CheckpointError, match="missing tensor .*layers.1.mlp.up_proj.linear.weight"):
+        build_vision_tower(broken, config)
+    broken = dict(tensors, **{name: np.zeros((3, 3), np.float32)})
+    with pytest.raises(CheckpointError, match=r"up_proj.linear.weight has shape \(3, 3\)"):
+        build_vision_tower(broken, config)
+    with pytest.raises(CheckpointError, match="no vision tower"):
+        build_vision_tower({k: v for k, v in tensors.items() if "vision_tower." not in k}, config)
+    with pytest.raises(CheckpointError, match="no vision_config"):
+        build_vision_tower(tensors, {k: v for k, v in config.items() if k != "vision_config"})
+    bad = dict(config, vision_config=dict(config["vision_config"], hidden_activation="relu"))
+    with pytest.raises(CheckpointError, match="hidden_activation"):
+        build_vision_tower(tensors, bad)
