@@ -10,7 +10,8 @@ channel)) and give each patch its ``(x, y)`` grid position. The reference pads e
 How an input becomes RGB follows the reference for that kind of input:
 
 * a file (path, bytes, file object) is decoded like transformers' ``load_image``: EXIF
-  orientation applied, then ``convert("RGB")`` (alpha dropped; 16-bit clipped to 255);
+  orientation applied, then ``convert("RGB")`` (alpha dropped; 16-bit clipped to 255), then
+  the PIL-image rule below (a transparency colour kept by the conversion goes white);
 * a PIL image is converted like the processor's ``convert_to_rgb``: images with an alpha band
   or a ``transparency`` entry are composited onto white, others ``convert("RGB")``;
 * a uint8 array ``[H, W]``, ``[H, W, 1]``, ``[H, W, 3]`` or ``[H, W, 4]`` (channels last) is
@@ -236,14 +237,16 @@ def _decode(fp: BinaryIO, where: str, max_pixels: int) -> np.ndarray:
     except Image.UnidentifiedImageError:
         raise ImageError(f"{where}: not an image (no format Pillow reads)") from None
     except Exception as e:
-        raise ImageError(f"{where}: cannot read the image header ({e})") from e
+        raise ImageError(f"{where}: cannot read the image header, truncated or corrupt ({e})") from e
     _check_size(im.size, max_pixels, where)
     _load(im, where)
     try:
-        out = ImageOps.exif_transpose(im).convert("RGB")
+        rgb = ImageOps.exif_transpose(im).convert("RGB")
     except Exception as e:
         raise ImageError(f"{where}: cannot convert a {im.mode} image to RGB ({e})") from e
-    return np.asarray(out)
+    # then the processor's own conversion: an RGB image that kept a transparency colour (from a
+    # palette or a tRNS chunk) gets that colour composited onto white
+    return _pil_to_rgb(rgb)
 
 
 def _pil_to_rgb(im) -> np.ndarray:
