@@ -15,3 +15,8 @@ class ContextError(ValueError):
 
 class TokenizerError(ValueError):
     """Text was given but the checkpoint has no tokenizer, or the tokenizer files are broken."""
+
+
+class ImageError(ValueError):
+    """An image cannot be used: not an image, truncated or corrupt, empty or 1x1, too many pixels,
+    or a mode / array layout with no RGB conversion."""

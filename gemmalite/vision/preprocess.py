@@ -32,13 +32,7 @@ from typing import Any, BinaryIO, Union
 
 import numpy as np
 
-from ..errors import ConfigError
-
-try:  # moves to gemmalite.errors with the layout commit
-    from ..errors import ImageError
-except ImportError:
-    class ImageError(ValueError):
-        """An image cannot be used: not an image, truncated, empty or 1x1, too large, unsupported mode."""
+from ..errors import ConfigError, ImageError
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 MAX_PIXELS = 1 << 27  # 134 M pixels (a 100-megapixel photo loads; a decompression bomb does not)

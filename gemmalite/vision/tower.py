@@ -18,10 +18,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..config import RopeSpec
 from ..errors import CheckpointError, ConfigError
-from ..kernels import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
-from ..matrix import F32Matrix, Matrix, as_matrix
+from ..kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
+from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
+from ..models.gemma.config import RopeSpec
+from ..weights.matrix import Matrix
 from .preprocess import ImagePatches
 
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -220,6 +221,8 @@ def build_vision_tower(tensors: Mapping[str, Any], config: dict, *, quant: str |
     ``tensors``: the folder's tensors under their stored names (memory-mapped is fine);
     ``config``: its config.json (``vision_config`` and ``text_config`` are read);
     ``quant``: None (float32 projections), "int8" or "int4"."""
+    if quant not in QUANT_KINDS:
+        raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
     prefixes = vision_prefixes(tensors)
     if prefixes is None:
         raise CheckpointError("no vision tower: no patch_embedder.input_proj.weight under "
@@ -245,14 +248,7 @@ def build_vision_tower(tensors: Mapping[str, Any], config: dict, *, quant: str |
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(f"vision tower: {problems[0]}{more}")
 
-    def mat(t: Any) -> Matrix:
-        if isinstance(t, Matrix):  # already quantized (converted checkpoint)
-            return t
-        if quant is None:
-            return F32Matrix(np.asarray(t, dtype=np.float32))
-        from ..quant import quantize
-
-        return quantize(t, quant)
+    mat = matrix_factory(quant)
 
     def vec(name: str) -> np.ndarray:
         return np.asarray(tensors[name], dtype=np.float32)
@@ -270,8 +266,8 @@ def build_vision_tower(tensors: Mapping[str, Any], config: dict, *, quant: str |
             q_norm=vec(p + "self_attn.q_norm.weight"), k_norm=vec(p + "self_attn.k_norm.weight"),
             **{n.split("_")[0]: linear(p + "mlp." + n) for n in MLP},
         ))
-    table = tensors[tower + "patch_embedder.position_embedding_table"]
+    positions = tensors[tower + "patch_embedder.position_embedding_table"]
     std = (vec(tower + "std_bias"), vec(tower + "std_scale")) if cfg.standardize else None
     return VisionTower(cfg, mat(tensors[tower + "patch_embedder.input_proj.weight"]),
-                       as_matrix(table[0], keep_half=True), as_matrix(table[1], keep_half=True),
+                       table(positions[0]), table(positions[1]),
                        layers, std, mat(tensors[proj_name]))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import vision_oracle as vo
-from gemmalite.checkpoint import read_safetensors
+from gemmalite.formats.folder import safetensors_files
+from gemmalite.formats.safetensors import read_safetensors
 from gemmalite.errors import CheckpointError
 from gemmalite.vision.preprocess import ImageProcessorConfig, preprocess
 from gemmalite.vision.tower import Linear, build_vision_tower
@@ -38,7 +39,7 @@ def case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(name)
     model, inner = vo.make_vision_checkpoint(path, vcfg, layout=layout)
     tensors = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
+    for f in safetensors_files(Path(path)):
         tensors.update(read_safetensors(f))
     return dict(name=name, vcfg=vcfg, inner=inner, tensors=tensors, config=vo.read_config(path), images=images)
 

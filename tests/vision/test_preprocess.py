@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import vision_oracle as vo
-from gemmalite.errors import ConfigError
-from gemmalite.vision.preprocess import (ImageError, ImageProcessorConfig, SUPPORTED_SOFT_TOKENS, preprocess,
+from gemmalite.errors import ConfigError, ImageError
+from gemmalite.vision.preprocess import (ImageProcessorConfig, SUPPORTED_SOFT_TOKENS, preprocess,
                                          target_size)
 
 Image = pytest.importorskip("PIL.Image")
