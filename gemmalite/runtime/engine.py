@@ -16,6 +16,7 @@ and numba's thread pool is shared by the whole process.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -34,11 +35,38 @@ class Graph(Protocol):
                 keep: np.ndarray | None = None, capture: list | None = None) -> np.ndarray: ...
 
 
+@dataclass(frozen=True)
+class SoftTokens:
+    """Prompt rows whose embeddings are given (an image's soft tokens) instead of looked up.
+
+    Their table lookups (PLE token rows) use the pad id, as transformers does; the state records
+    ``keys`` for them instead of the placeholder id, so that a cached prefix is never reused past
+    a row whose picture changed (two pictures of one size give the same token ids)."""
+
+    rows: np.ndarray  # int64 [n], ascending positions in the prompt
+    vectors: np.ndarray  # float32 [n, H]
+    keys: np.ndarray  # int64 [n], negative (never a token id)
+
+    def after(self, start: int) -> "SoftTokens | None":
+        """The rows from prompt position ``start`` on, renumbered from there (None if none)."""
+        keep = self.rows >= start
+        if not keep.any():
+            return None
+        return SoftTokens(self.rows[keep] - start, self.vectors[keep], self.keys[keep])
+
+    def keyed(self, ids: np.ndarray) -> list[int]:
+        """``ids`` with the keys in place of the placeholders (what a state records)."""
+        out = np.array(ids, dtype=np.int64)
+        out[self.rows] = self.keys
+        return out.tolist()
+
+
 class Engine:
     """Shared, read-only weights and the public step functions over a `KVState`."""
 
     def __init__(self, graph: Graph, embed: Matrix, lm_head: Matrix, ple_table: Matrix | None, *,
-                 vocab_size: int, embed_scale: float, ple_scale: float, softcap: float | None, context: int):
+                 vocab_size: int, embed_scale: float, ple_scale: float, softcap: float | None, context: int,
+                 pad_id: int = 0):
         self.graph = graph
         self.embed = embed
         self.lm_head = lm_head
@@ -48,26 +76,34 @@ class Engine:
         self.ple_scale = np.float32(ple_scale)
         self.softcap = softcap
         self.context = context
+        self.pad_id = pad_id
 
     def new_state(self) -> KVState:
         """Empty KV caches for one sequence of up to ``context`` tokens."""
         return self.graph.new_state(self.context)
 
     def forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None = None,
-                capture: list | None = None) -> np.ndarray:
+                capture: list | None = None, soft: SoftTokens | None = None) -> np.ndarray:
         """Run ``ids`` after what ``state`` holds; final hidden states of the ``keep`` rows (all by
-        default). Host row lookups, then the graph; the ids are recorded in ``state.tokens``."""
+        default). Host row lookups (``soft`` rows given, not looked up), then the graph; the ids
+        (``soft``'s keys for its rows) are recorded in ``state.tokens``."""
         ids = np.asarray(ids, dtype=np.int64)
+        look = ids
+        if soft is not None:
+            look = ids.copy()
+            look[soft.rows] = self.pad_id
         with COMPUTE_LOCK:
-            x0 = self.embed.rows(ids) * self.embed_scale
-            ple = self.ple_table.rows(ids) * self.ple_scale if self.ple_table is not None else None
+            x0 = self.embed.rows(look) * self.embed_scale
+            if soft is not None:
+                x0[soft.rows] = soft.vectors
+            ple = self.ple_table.rows(look) * self.ple_scale if self.ple_table is not None else None
             h = self.graph.forward(state, x0, ple, keep=keep, capture=capture)
-        state.tokens.extend(int(i) for i in ids)
+        state.tokens.extend(soft.keyed(ids) if soft is not None else (int(i) for i in ids))
         return h
 
-    def prefill(self, state: KVState, ids: np.ndarray) -> np.ndarray:
+    def prefill(self, state: KVState, ids: np.ndarray, soft: SoftTokens | None = None) -> np.ndarray:
         """Run a prompt (or the new part of one); the final hidden state of its last position ``[1, H]``."""
-        return self.forward(state, ids, keep=np.array([len(ids) - 1]))
+        return self.forward(state, ids, keep=np.array([len(ids) - 1]), soft=soft)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap)."""

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ContextError
 from ..tokenizer import Tokenizer
 from .cache import KVState
-from .engine import Engine
+from .engine import Engine, SoftTokens
 from .sampling import Sampler, SamplingParams
 
 END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
@@ -94,10 +94,12 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 
 
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
-                 stop_ids: set[int], stats: GenerationStats) -> Iterator[int]:
+                 stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
-    prefix when its caches can roll back to it), then decode token by token."""
-    reuse = min(_common_prefix(state.tokens, ids.tolist()), len(ids) - 1)  # the last token must run
+    prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
+    ``ids`` given as embeddings (images); they match a cached prefix only by their keys."""
+    keys = soft.keyed(ids) if soft is not None else ids.tolist()
+    reuse = min(_common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
         state.reset()
         reuse = 0
@@ -108,7 +110,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    logits = engine.logits(engine.prefill(state, ids[reuse:]))[0]
+    logits = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))[0]
     stats.prefill_s = time.perf_counter() - t0
     for step in range(max_new_tokens):
         tok = sampler(logits, history)

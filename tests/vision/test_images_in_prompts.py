@@ -1,0 +1,123 @@
+"""Gemma 4 with pictures: soft tokens placed as Gemma4Processor places them, logits and greedy
+tokens against Gemma4ForConditionalGeneration (tiny random text model + clipped vision tower,
+every weight randomised), and KV-cache reuse that never crosses a changed picture."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hf_oracle
+import vision_oracle as vo
+from gemmalite.errors import ConfigError, ImageError
+from gemmalite.runtime.generate import GenerationStats, generate_ids
+from gemmalite.runtime.sampling import SamplingParams
+
+PIL = pytest.importorskip("PIL.Image")
+
+IMG, BOI, EOI = 60, 61, 62  # unused ids of the tiny vocabulary
+SOFT = 70
+PROMPT = [2, 380, 391, IMG, 402, 377, 390, IMG, 415, 399]
+
+
+def _image(h: int, w: int, seed: int):
+    return PIL.fromarray(np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+IMAGES = [_image(50, 90, 0), _image(120, 40, 1)]
+
+
+def _checkpoint(path, sliding_window: int):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Gemma4Config(text_config=hf_oracle._text_config_kwargs({"sliding_window": sliding_window}),
+                       vision_config=dict(vo.CLIPPED), image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI,
+                       attn_implementation="eager")
+    model = Gemma4ForConditionalGeneration(cfg).float().eval()
+    hf_oracle.randomize_text_weights(model, 0)
+    vo.randomize_vision_weights([model.model.vision_tower, model.model.embed_vision], 1)
+    model.save_pretrained(path, safe_serialization=True)
+    # the budget comes from the folder's processor config; patch / pooling sizes from vision_config
+    (path / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": SOFT}}))
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Sliding window 8: the prompt crosses it many times."""
+    return _checkpoint(tmp_path_factory.mktemp("gemma4-vision"), 8)
+
+
+@pytest.fixture(scope="module")
+def long_window(tmp_path_factory):
+    """Sliding window past the prompt: a cached prompt can roll back to any prefix."""
+    return _checkpoint(tmp_path_factory.mktemp("gemma4-vision-long"), 512)
+
+
+def _reference_inputs(images):
+    """input_ids as Gemma4Processor expands them, and its pixel inputs."""
+    proc = vo.image_processor(vo.CLIPPED["patch_size"], vo.CLIPPED["pooling_kernel_size"], SOFT)
+    out = proc(images, return_tensors="pt")
+    ids, counts = [], iter(out["num_soft_tokens_per_image"])
+    for t in PROMPT:
+        ids += [BOI] + [IMG] * int(next(counts)) + [EOI] if t == IMG else [t]
+    return torch.tensor([ids]), out["pixel_values"], out["image_position_ids"]
+
+
+def test_logits_and_greedy_match_transformers(ckpt, gl):
+    path, hf = ckpt
+    model = gl.load(path)
+    ids, pix, pos = _reference_inputs(IMAGES)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, pixel_values=pix, image_position_ids=pos, use_cache=False).logits[0].numpy()
+    ours = model.logits(PROMPT, images=IMAGES)
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-4, np.abs(ours - ref).max()
+    assert np.array_equal(model.with_images(PROMPT, IMAGES)[0], ids[0].numpy())
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, pixel_values=pix, image_position_ids=pos, do_sample=False, max_new_tokens=24,
+                          min_new_tokens=24, pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    want = out[0, ids.shape[1]:].tolist()
+    got = model.generate_tokens(PROMPT, images=IMAGES, max_new_tokens=24, temperature=0, stop=[])
+    assert got == want[:len(got)] and len(got) >= 8, (got, want)
+
+
+def test_cache_reuse_stops_at_a_changed_picture(long_window, gl):
+    """Two pictures of one size give the same ids: the cached prefix ends at the first row of the
+    changed picture, and the continuation is that of a fresh run."""
+    path, _ = long_window
+    model = gl.load(path)
+    other = [IMAGES[0], _image(120, 40, 7)]  # same size as IMAGES[1], other pixels
+    state = model.new_state()
+
+    def run(images):
+        ids, soft = model.with_images(PROMPT, images)
+        stats = GenerationStats()
+        toks = list(generate_ids(model.engine, state, ids, max_new_tokens=6, params=SamplingParams(temperature=0.0),
+                                 stop_ids=set(), stats=stats, soft=soft))
+        return ids, soft, stats, toks
+
+    ids1, soft1, s1, _ = run(IMAGES)
+    ids2, soft2, s2, toks2 = run(other)
+    assert s1.cached_tokens == 0 and np.array_equal(ids1, ids2)
+    second_image = int(soft1.rows[(soft1.keys != soft2.keys)][0])
+    n_first = int(model.with_images(PROMPT[:4], IMAGES[:1])[1].rows.size)
+    assert second_image == soft1.rows[n_first] and s2.cached_tokens == second_image
+    assert toks2 == model.generate_tokens(PROMPT, images=other, max_new_tokens=6, temperature=0, stop=[])
+    _, _, s3, toks3 = run(other)  # same pictures again: all but the last prompt token reused
+    assert s3.cached_tokens == len(ids2) - 1 and toks3 == toks2
+
+
+def test_image_errors(ckpt, gl, tmp_path):
+    path, _ = ckpt
+    model = gl.load(path)
+    with pytest.raises(ImageError, match="2 image placeholder"):
+        model.logits(PROMPT, images=IMAGES[:1])
+    with pytest.raises(ImageError, match="not an image"):
+        model.logits(PROMPT, images=[IMAGES[0], b"junk"])
+    hf_oracle.make_gemma4_checkpoint(tmp_path / "text")
+    with pytest.raises(ConfigError, match="no vision tower"):
+        gl.load(tmp_path / "text").logits(PROMPT, images=IMAGES)
