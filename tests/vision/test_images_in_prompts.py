@@ -121,3 +121,48 @@ def test_image_errors(ckpt, gl, tmp_path):
     hf_oracle.make_gemma4_checkpoint(tmp_path / "text")
     with pytest.raises(ConfigError, match="no vision tower"):
         gl.load(tmp_path / "text").logits(PROMPT, images=IMAGES)
+
+
+def _tokenizer_with_image_tokens(path) -> None:
+    """The tiny tokenizer, with the image tokens at IMG / BOI / EOI (special, as in Gemma 4's)."""
+    hf_oracle.write_tiny_tokenizer(path)
+    f = path / "tokenizer.json"
+    t = json.loads(f.read_text())
+    for tid, text in ((IMG, "<|image|>"), (BOI, "<|image>"), (EOI, "<image|>")):
+        del t["model"]["vocab"][f"<unused{tid}>"]
+        t["model"]["vocab"][text] = tid
+        t["added_tokens"].append({"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                                  "normalized": False, "special": True})
+    f.write_text(json.dumps(t))
+
+
+def test_chat_with_a_picture(ckpt, gl):
+    """A chat turn with an image part: the template's <|image|> expanded as the processor does
+    (its replace_image_token on the rendered text), greedy reply as transformers generates it."""
+    from transformers import AutoTokenizer
+
+    path, hf = ckpt
+    _tokenizer_with_image_tokens(path)
+    messages = [{"role": "user", "content": [{"type": "image", "image": IMAGES[1]},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.count("<|image|>") == 1
+    proc = vo.image_processor(vo.CLIPPED["patch_size"], vo.CLIPPED["pooling_kernel_size"], SOFT)
+    px = proc([IMAGES[1]], return_tensors="pt")
+    n = int(px["num_soft_tokens_per_image"][0])
+    ids = torch.tensor([tok(text.replace("<|image|>", "<|image>" + "<|image|>" * n + "<image|>"),
+                            add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, pixel_values=px["pixel_values"], image_position_ids=px["image_position_ids"],
+                          do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0, top_k=None,
+                          top_p=None, temperature=None)
+    want = out[0, ids.shape[1]:].tolist()
+    model = gl.load(path)
+    chat_ids = model.tokenizer.chat_ids(messages, add_generation_prompt=True)
+    assert np.array_equal(model.with_images(chat_ids, [IMAGES[1]])[0], ids[0].numpy())
+    stream = model.session().chat(messages, max_new_tokens=12, temperature=0, stream=True)
+    reply = "".join(stream)
+    k = next((i for i, t in enumerate(want) if t in (1, 106)), len(want))  # eos, end of turn
+    assert stream.stats.prompt_tokens == ids.shape[1] and stream.stats.new_tokens == k
+    assert reply == model.tokenizer.decode(want[:k])
