@@ -10,11 +10,10 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import CheckpointError, ConfigError, TokenizerError
-from .formats.folder import load_folder, safetensors_files
+from .formats.folder import load_folder, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
-from .formats.safetensors import read_safetensors
 from .model import Model
 from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
@@ -77,9 +76,7 @@ def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
     """The folder's vision tower (built on first use), or None when it has none."""
     if not isinstance(raw.get("vision_config"), dict):
         return None
-    tensors: dict = {}
-    for f in safetensors_files(folder):
-        tensors.update(read_safetensors(f))  # memory-mapped: only headers are read here
+    tensors = read_tensors(folder, raw)  # memory-mapped: only headers are read here
     if vision_prefixes(tensors) is None:
         return None
 

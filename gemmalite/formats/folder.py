@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,13 +54,18 @@ def load_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray],
         cfg = ModelConfig.from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
-    tensors: dict[str, np.ndarray] = {}
+    return cfg, strip_prefix(read_tensors(folder, raw)), raw
+
+
+def read_tensors(folder: Path, raw: dict) -> dict[str, Any]:
+    """Every tensor of a folder under its stored name, memory-mapped; the quantized matrices of a
+    `gemmalite convert` checkpoint (which stores the text tensors without a prefix) rebuilt."""
+    tensors: dict[str, Any] = {}
     for f in safetensors_files(folder):
         tensors.update(read_safetensors(f))
-    tensors = strip_prefix(tensors)
-    if isinstance(raw.get("quantization_config"), dict):  # written by `gemmalite convert`
+    if isinstance(raw.get("quantization_config"), dict):
         tensors = assemble(tensors, raw["quantization_config"])
-    return cfg, tensors, raw
+    return tensors
 
 
 def strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

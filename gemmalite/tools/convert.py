@@ -1,6 +1,7 @@
 """`gemmalite convert`: write a self-describing int8/int4 checkpoint that loads by memory-mapping.
 
-Every projection (and the LM head, stored apart from the tied embedding table) becomes an
+Every projection (and the LM head, stored apart from the tied embedding table; and the vision
+tower's projections, under their stored names, when the checkpoint has one) becomes an
 `Int8Matrix` or `Int4Matrix` in the format of `gemmalite.formats.converted`; the embedding and
 PLE tables, norms and scalars are copied as stored. Loading takes well under two seconds.
 """
@@ -16,14 +17,16 @@ from tqdm import tqdm
 
 from ..errors import CheckpointError
 from ..formats.converted import QUANT_METHOD, format_name
-from ..formats.folder import load_folder
+from ..formats.folder import load_folder, read_tensors
 from ..formats.safetensors import save_arrays
 from ..models.gemma.contract import check_tensors, expected_shapes, quantizable
 from ..weights.matrix import Matrix
+from ..vision.tower import vision_tensors
 from ..weights.quant import quantize
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-              "special_tokens_map.json", "generation_config.json", "tokenizer.model")
+              "special_tokens_map.json", "generation_config.json", "tokenizer.model", "processor_config.json",
+              "preprocessor_config.json")
 
 
 def _dense(t: Any) -> np.ndarray:
@@ -55,6 +58,15 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     for name in names:
         if name not in formats:
             arrays[name] = np.asarray(tensors[name])
+    stored = read_tensors(src, raw)  # the vision tower, under its stored names
+    projections, rest = vision_tensors(stored, raw)
+    for name in tqdm(projections, desc=f"vision tower to {quant}", disable=not progress or not projections, unit="tensor"):
+        m = quantize(_dense(stored[name]), quant)
+        for part, a in m.tensors().items():
+            arrays[f"{name}.{part}"] = a
+        formats[name] = format_name(m)
+    for name in rest:
+        arrays[name] = np.asarray(stored[name])
     out.mkdir(parents=True, exist_ok=True)
     save_arrays(out, arrays, progress=progress)
     config = dict(raw)

@@ -190,6 +190,18 @@ def vision_prefixes(tensors: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def vision_tensors(tensors: Mapping[str, Any], config: dict) -> tuple[list[str], list[str]]:
+    """Stored names of the tower's tensors: (projections, which quantize; the rest, kept as
+    stored). Both empty when the checkpoint has no vision tower."""
+    prefixes = vision_prefixes(tensors)
+    if prefixes is None or not isinstance(config.get("vision_config"), dict):
+        return [], []
+    cfg = VisionConfig.from_hf(config["vision_config"])
+    shapes = expected_shapes(cfg, 0, *prefixes)
+    projections = [n for n, s in shapes.items() if len(s) == 2]
+    return projections, [n for n in shapes if n not in projections]
+
+
 def expected_shapes(cfg: VisionConfig, text_hidden: int, tower: str, embed: str) -> dict[str, tuple[int, ...]]:
     """Every tensor the tower reads, with its shape (the contract a checkpoint must meet)."""
     hv, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

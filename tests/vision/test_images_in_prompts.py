@@ -166,3 +166,17 @@ def test_chat_with_a_picture(ckpt, gl):
     k = next((i for i, t in enumerate(want) if t in (1, 106)), len(want))  # eos, end of turn
     assert stream.stats.prompt_tokens == ids.shape[1] and stream.stats.new_tokens == k
     assert reply == model.tokenizer.decode(want[:k])
+
+
+def test_converted_checkpoint_keeps_the_tower(ckpt, gl, tmp_path):
+    """`gemmalite convert` quantizes the vision projections too: the converted folder gives the
+    logits of an int8 load of the original, pictures included."""
+    from gemmalite.tools.convert import convert
+
+    path, _ = ckpt
+    out = convert(path, tmp_path / "int8", "int8", progress=False)
+    assert (out / "processor_config.json").exists()
+    converted = gl.load(out)
+    assert type(converted.vision.tower.layers[0].q.w).__name__ == "Int8Matrix"
+    want = gl.load(path, quant="int8").logits(PROMPT, images=IMAGES)
+    np.testing.assert_array_equal(converted.logits(PROMPT, images=IMAGES), want)
