@@ -36,12 +36,21 @@ def load_model(a: argparse.Namespace):
     return gemmalite.load(a.model, context=a.context, quant=a.quant)
 
 
+def _user(text: str, images: list[str]) -> dict[str, Any]:
+    """A user message; with images, in the content-part form (pictures first, then the text)."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image", "path": p} for p in images] + [{"type": "text", "text": text}]}
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     model = load_model(a)
     kw = _gen_kwargs(a)
     use_chat = not a.raw and model.tokenizer.chat_template is not None
+    if a.image and not use_chat:
+        raise ValueError("--image needs the chat template (not --raw)")
     t0 = time.perf_counter()
-    pieces = model.chat([{"role": "user", "content": a.prompt}], stream=True, **kw) if use_chat else \
+    pieces = model.chat([_user(a.prompt, a.image)], stream=True, **kw) if use_chat else \
         model.generate(a.prompt, stream=True, **kw)
     for piece in pieces:
         sys.stdout.write(piece)
@@ -57,8 +66,10 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     model = load_model(a)
     kw = _gen_kwargs(a)
-    messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
-    print("gemmalite chat: type a message; /reset starts over, /quit or Ctrl-D leaves.", file=sys.stderr)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": a.system}] if a.system else []
+    images: list[str] = []  # attached to the next message
+    print("gemmalite chat: type a message; /image PATH attaches a picture to the next one, /reset starts over, "
+          "/quit or Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -69,16 +80,26 @@ def cmd_chat(a: argparse.Namespace) -> int:
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if a.system else []
+            images = []
             model.reset_chat()
+            continue
+        if line.startswith("/image "):
+            images.append(line[len("/image "):].strip())
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        messages.append(_user(line, images))
+        images = []
         reply = []
-        for piece in model.chat(messages, stream=True, **kw):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            reply.append(piece)
+        try:
+            for piece in model.chat(messages, stream=True, **kw):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                reply.append(piece)
+        except ValueError as e:  # a bad picture (or too long a conversation): say so, keep chatting
+            print(f"gemmalite: error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
 
@@ -88,6 +109,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     load_args(p)
     p.add_argument("prompt")
     p.add_argument("--raw", action="store_true", help="continue the prompt text as is (no chat template)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="a picture for the prompt (repeatable; needs a checkpoint with a vision tower)")
     p.add_argument("-v", "--verbose", action="store_true")
     _sampling_args(p)
     p.set_defaults(func=cmd_run)

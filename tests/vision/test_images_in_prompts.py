@@ -142,7 +142,8 @@ def test_chat_with_a_picture(ckpt, gl):
     from transformers import AutoTokenizer
 
     path, hf = ckpt
-    _tokenizer_with_image_tokens(path)
+    if not (path / "tokenizer.json").exists():
+        _tokenizer_with_image_tokens(path)
     messages = [{"role": "user", "content": [{"type": "image", "image": IMAGES[1]},
                                              {"type": "text", "text": "What is in this picture?"}]}]
     tok = AutoTokenizer.from_pretrained(path)
@@ -180,3 +181,23 @@ def test_converted_checkpoint_keeps_the_tower(ckpt, gl, tmp_path):
     assert type(converted.vision.tower.layers[0].q.w).__name__ == "Int8Matrix"
     want = gl.load(path, quant="int8").logits(PROMPT, images=IMAGES)
     np.testing.assert_array_equal(converted.logits(PROMPT, images=IMAGES), want)
+
+
+def test_cli_run_with_an_image(ckpt, gl, tmp_path, capsys):
+    from gemmalite.cli import main
+
+    path, _ = ckpt
+    if not (path / "tokenizer.json").exists():
+        _tokenizer_with_image_tokens(path)
+    picture = tmp_path / "picture.png"
+    IMAGES[1].save(picture)
+    args = ["run", str(path), "--image", str(picture), "What is in this picture?", "--max-new-tokens", "6",
+            "--temperature", "0"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    messages = [{"role": "user", "content": [{"type": "image", "path": str(picture)},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    assert out == gl.load(path).session().chat(messages, max_new_tokens=6, temperature=0) + "\n"
+    (tmp_path / "junk.png").write_bytes(b"not a picture")
+    assert main(["run", str(path), "--image", str(tmp_path / "junk.png"), "hi"]) == 2
+    assert "junk.png: not an image" in capsys.readouterr().err
