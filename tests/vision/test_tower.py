@@ -13,7 +13,7 @@ from gemmalite.formats.folder import safetensors_files
 from gemmalite.formats.safetensors import read_safetensors
 from gemmalite.errors import CheckpointError
 from gemmalite.vision.preprocess import ImageProcessorConfig, preprocess
-from gemmalite.vision.tower import Linear, build_vision_tower
+from gemmalite.vision.tower import build_vision_tower
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -78,21 +78,24 @@ def test_int8_soft_tokens(case):
 
 
 def test_options_are_exercised(case):
-    """The clip bounds bind and standardize moves the output: dropping either breaks parity."""
+    """Options follow the config; where on, the clip bounds bind and standardize moves the output:
+    dropping either breaks parity."""
     v = case["vcfg"]
+    tower = build_vision_tower(case["tensors"], case["config"])
+    clips = [lin.clip for layer in tower.layers for lin in layer.linears()]
     if not v["use_clipped_linears"]:
-        pytest.skip("plain config")
+        assert tower.std is None and all(c is None for c in clips)
+        return
+    assert tower.std is not None and all(c is not None for c in clips)
     h, w, max_soft = case["images"][0]
     im = _image(h, w, 0)
     proc, pcfg = _refs(case, max_soft)
     ref = vo.hf_image_features(case["inner"], im, proc)
     patches = preprocess(im, pcfg)
-    unclipped = build_vision_tower(case["tensors"], case["config"])
-    for layer in unclipped.layers:
+    for layer in tower.layers:
         for lin in layer.linears():
-            assert isinstance(lin, Linear) and lin.clip is not None
             lin.clip = None
-    assert vo.row_cosines(unclipped(patches), ref).min() < 0.999
+    assert vo.row_cosines(tower(patches), ref).min() < 0.999
     unstd = build_vision_tower(case["tensors"], case["config"])
     unstd.std = None
     assert vo.row_cosines(unstd(patches), ref).min() < 0.999
