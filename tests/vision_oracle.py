@@ -60,9 +60,11 @@ def randomize_vision_weights(modules, seed: int) -> None:
                 raise AssertionError(f"vision weight {name} {tuple(t.shape)} left unrandomised")
 
 
-def make_vision_checkpoint(path, vision_config: dict, *, layout: str, seed: int = 0):
+def make_vision_checkpoint(path, vision_config: dict, *, layout: str, seed: int = 0, dtype: str = "float32"):
     """Save a tiny random checkpoint with a vision tower; return the (float32, eager) torch
-    model and its (vision tower, embed_vision) modules. ``layout``: "gemma4" or "eg2"."""
+    model and its (vision tower, embed_vision) modules. ``layout``: "gemma4" or "eg2".
+    ``dtype="bfloat16"`` stores bf16 (as on the hub); the model returned is then transformers'
+    float32 load of those files."""
     torch.manual_seed(seed)
     if layout == "gemma4":
         from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -82,7 +84,12 @@ def make_vision_checkpoint(path, vision_config: dict, *, layout: str, seed: int 
         raise ValueError(layout)
     model = model.float().eval()
     randomize_vision_weights([inner.vision_tower, inner.embed_vision], seed + 1)
-    model.save_pretrained(path, safe_serialization=True)
+    if dtype == "bfloat16":
+        model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+        model = type(model).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        inner = model.model if layout == "gemma4" else model
+    else:
+        model.save_pretrained(path, safe_serialization=True)
     return model, inner
 
 

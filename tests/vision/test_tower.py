@@ -17,10 +17,11 @@ from gemmalite.vision.tower import build_vision_tower
 
 PIL = pytest.importorskip("PIL.Image")
 
-# (name, vision config, checkpoint layout, images as (height, width, max_soft_tokens))
+# (name, vision config, checkpoint layout, stored dtype, images as (height, width, max_soft_tokens))
 CASES = {
-    "gemma4-clipped": (vo.CLIPPED, "gemma4", [(50, 90, 70), (120, 40, 140), (64, 64, 70)]),
-    "eg2-plain": (vo.PLAIN, "eg2", [(200, 150, 70), (90, 300, 70)]),
+    "gemma4-clipped": (vo.CLIPPED, "gemma4", "float32", [(50, 90, 70), (120, 40, 140), (64, 64, 70)]),
+    "eg2-plain": (vo.PLAIN, "eg2", "float32", [(200, 150, 70), (90, 300, 70)]),
+    "gemma4-bf16": (vo.CLIPPED, "gemma4", "bfloat16", [(70, 70, 70)]),  # hub-style storage
 }
 
 
@@ -35,9 +36,9 @@ def _image(h: int, w: int, seed: int):
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     name = request.param
-    vcfg, layout, images = CASES[name]
+    vcfg, layout, dtype, images = CASES[name]
     path = tmp_path_factory.mktemp(name)
-    model, inner = vo.make_vision_checkpoint(path, vcfg, layout=layout)
+    model, inner = vo.make_vision_checkpoint(path, vcfg, layout=layout, dtype=dtype)
     tensors = {}
     for f in safetensors_files(Path(path)):
         tensors.update(read_safetensors(f))
