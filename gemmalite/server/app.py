@@ -122,6 +122,7 @@ class Server:
         try:
             params = self.model._params(**gen.sampling)
             stop_ids, stop_strings = self.model._stop_sets(gen.stop, chat=chat)
+            stop_ids = set() if gen.ignore_eos else stop_ids
         except ValueError as e:
             raise bad(str(e)) from None
         return Sequence(ids=list(ids), max_tokens=max_tokens, params=params, stop_ids=stop_ids,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import softcap
+
 
 class _ModelEngine:
     def __init__(self, model):
@@ -22,6 +24,18 @@ class _ModelEngine:
 
     def decode_step(self, state, tok: int) -> np.ndarray:
         return self.logits(self.model._forward(state, np.array([tok], dtype=np.int64)))[0]
+
+    def decode_batch(self, states, tokens) -> np.ndarray:
+        """One token for each sequence in one pass over the weights: logits ``[B, vocab]``,
+        row b equal to ``decode_step(states[b], tokens[b])``."""
+        m, cfg = self.model, self.model.config
+        ids = np.asarray(tokens, dtype=np.int64)
+        x0 = m.embed.rows(ids) * cfg.embed_scale
+        ple = m.ple_table.rows(ids) * np.float32(np.sqrt(cfg.ple_dim)) if m.ple_table is not None else None
+        h = m.graph.forward_batch(states, x0, ple)
+        for s, t in zip(states, ids):
+            s.tokens.append(int(t))
+        return softcap(m.lm_head.matmul_each(h), cfg.final_logit_softcapping)
 
 
 class _Batched:

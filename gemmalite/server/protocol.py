@@ -95,6 +95,7 @@ class Generation:
     stream: bool
     include_usage: bool
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # llama.cpp's extension: generate through end-of-sequence tokens (benchmarks)
     sampling: dict[str, Any] = field(default_factory=dict)  # Model._params keywords
 
 
@@ -127,7 +128,7 @@ def generation(body: dict, limits: Limits) -> Generation:
                     seed=opt_int(body, "seed", -(2**63), 2**64 - 1))
     if sampling["seed"] is not None and sampling["seed"] < 0:
         sampling["seed"] = sampling["seed"] % 2**64  # numpy seeds are non-negative
-    return Generation(mt, stream, include_usage, stop, sampling)
+    return Generation(mt, stream, include_usage, stop, bool(opt_bool(body, "ignore_eos")), sampling)
 
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
