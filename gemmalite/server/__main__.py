@@ -1,11 +1,6 @@
-"""``python -m gemmalite.server MODEL ...`` (the same as ``gemmalite serve``)."""
-import argparse
+"""``python -m gemmalite.server MODEL ...``: the same as ``gemmalite serve MODEL ...``."""
 import sys
 
-from .cli import add_parser
+from ..cli import main
 
-ap = argparse.ArgumentParser(prog="python -m gemmalite.server")
-sub = ap.add_subparsers(dest="command")
-add_parser(sub)
-args = ap.parse_args(["serve", *sys.argv[1:]])
-sys.exit(args.func(args))
+sys.exit(main(["serve", *sys.argv[1:]]))

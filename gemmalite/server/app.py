@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import engine_for
+from ..runtime.generate import stop_sets
 from .metrics import Metrics
 from .protocol import (APIError, Generation, Limits, bad, chat_messages, completion_prompt, embedding_inputs,
                        generation, opt_int, require_model)
@@ -53,7 +53,7 @@ class Server:
         self.limits = limits or Limits()
         self.context = model.context
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine_for(model), self.tokenizer, max_concurrency=max_concurrency,
+        self.scheduler = Scheduler(model.engine, self.tokenizer, max_concurrency=max_concurrency,
                                    max_queue=max_queue, prefix_cache=prefix_cache, metrics=self.metrics)
         self.metrics.gauge("gemmalite_active_sequences", lambda: len(self.scheduler.active))
         self.metrics.gauge("gemmalite_queue_depth", lambda: self.scheduler.queue_depth)
@@ -120,8 +120,8 @@ class Server:
                       "max_tokens", "context_length_exceeded")
         max_tokens = gen.max_tokens if gen.max_tokens is not None else min(ctx - n, self.limits.max_tokens or ctx)
         try:
-            params = self.model._params(**gen.sampling)
-            stop_ids, stop_strings = self.model._stop_sets(gen.stop, chat=chat)
+            params = self.model.defaults.params(**gen.sampling)
+            stop_ids, stop_strings = stop_sets(gen.stop, self.model.defaults, self.tokenizer, chat=chat)
             stop_ids = set() if gen.ignore_eos else stop_ids
         except ValueError as e:
             raise bad(str(e)) from None

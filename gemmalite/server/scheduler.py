@@ -9,8 +9,8 @@ prefix cache: a later request that starts with the same tokens (a multi-turn cha
 whole) takes that state and runs only its new tokens.
 
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
-`Piece` / `Finish` events; detokenization and stop strings are applied here, so a stop
-string ends the sequence at once.
+`Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
+`Model.generate`) are applied here, so a stop string ends the sequence at once.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..sampling import Sampler, SamplingParams
+from ..runtime.generate import TextCutter
+from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
 
 
@@ -58,7 +59,7 @@ class Sequence:
     # filled in by the scheduler
     state: Any = None
     sampler: Sampler | None = None
-    cutter: "TextCutter | None" = None
+    cutter: TextCutter | None = None
     history: list[int] = field(default_factory=list)
     next_token: int = -1
     generated: int = 0
@@ -68,38 +69,6 @@ class Sequence:
     def cancel(self) -> None:
         """Called from any thread; the scheduler frees the sequence at its next step."""
         self.cancelled = True
-
-
-class TextCutter:
-    """Token ids -> text pieces, cut at the first stop string; text that may begin a stop string
-    is held back until it cannot (the same rule as `Model.generate`)."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.stream = tokenizer.stream()
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        self.pending += self.stream.push(token)
-        return self._emit(final=False)
-
-    def finish(self) -> str:
-        self.pending += self.stream.flush()
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        cut = min((i for s in self.stops if (i := self.pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending, self.stopped = self.pending[:cut], "", True
-            return out
-        keep = 0 if final else self.hold
-        n = len(self.pending) - keep
-        if n <= 0:
-            return ""
-        out, self.pending = self.pending[:n], self.pending[n:]
-        return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,21 +1,22 @@
-"""``gemmalite serve MODEL``: the OpenAI-compatible server on uvicorn."""
+"""``gemmalite serve MODEL``: the OpenAI-compatible server (gemmalite.server) on uvicorn.
+The server's packages (the ``server`` extra) are imported only when the command runs."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from .generate import load_args, load_model
 
-def add_parser(sub) -> None:
+
+def add_parsers(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
-    p.add_argument("model", help="checkpoint folder or .gguf file")
+    load_args(p)
     p.add_argument("--embedder", default=None, help="EmbeddingGemma checkpoint to serve /v1/embeddings")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--max-concurrency", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 503)")
-    p.add_argument("--context", type=int, default=None, help="KV cache length in tokens per sequence")
-    p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the folder name)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on max_tokens per request")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished KV states kept for prefix reuse")
@@ -35,15 +36,20 @@ def load_embedder(path: str):
     return load(path)
 
 
+def _server_imports():
+    try:
+        import uvicorn
+
+        from ..server import build_app
+        from ..server.protocol import Limits
+    except ImportError as e:
+        raise ValueError(f"gemmalite serve needs the server extra: pip install 'gemmalite[server]' ({e})") from None
+    return uvicorn, build_app, Limits
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
-    import gemmalite
-
-    from .app import build_app
-    from .protocol import Limits
-
-    model = gemmalite.load(a.model, context=a.context, quant=a.quant)
+    uvicorn, build_app, Limits = _server_imports()
+    model = load_model(a)
     embedder = load_embedder(a.embedder) if a.embedder else None
     app = build_app(model, embedder, model_id=a.model_name or _name(a.model),
                     embedder_id=_name(a.embedder) if a.embedder else None, api_key=a.api_key,

@@ -89,7 +89,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, gl):
-    from gemmalite.synth import synth
+    from gemmalite.tools.synth import synth
 
     path = synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False)
     return gl.load(path, context=256)
