@@ -53,7 +53,7 @@ from ..kernels import common
 from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv1_w4a16, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
                              i8_mv1_rows4, i8_mv1_w8a16, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
-from ..kernels.simd import TILE_BLOCK, int16_activations
+from ..kernels.simd import TILE_BLOCK, int16_activation_rows, int16_activations
 from .matrix import Matrix
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
@@ -88,12 +88,6 @@ def _scratch_buffer(n: int) -> np.ndarray:
 def _prefill_rows(cols: int) -> int:
     b = _PREFILL_ELEMS // max(cols, 1)
     return int(min(1024, max(256, b - b % 64)))
-
-
-def _activation_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``int16_activations`` of each row of ``x``, stacked: the one-row kernels' input, row by row."""
-    parts = [int16_activations(row, group) for row in x]
-    return tuple(np.stack([p[i] for p in parts]) for i in range(3))
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -207,7 +201,7 @@ class Int8Matrix(_Quantized):
         x = _check_x(x, self.shape[1])
         if not (common.HAVE_AVX2 and self.shape[1] % 32 == 0):
             return super().matmul_each(x)
-        xq, xd, _ = _activation_rows(x, 32)
+        xq, xd, _ = int16_activation_rows(x, 32)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i8_mvn_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
         return out
@@ -335,7 +329,7 @@ class Int4Matrix(_Quantized):
         x = _check_x(x, self.shape[1])
         if not common.HAVE_AVX2:
             return super().matmul_each(x)
-        xq, xd, xs = _activation_rows(x, self.group)
+        xq, xd, xs = int16_activation_rows(x, self.group)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i4_mvn_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
                      4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)

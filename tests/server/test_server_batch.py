@@ -46,6 +46,28 @@ def test_decode_batch_equals_decode_step(model):
         assert a.tokens == b.tokens and a.length == b.length
 
 
+def _ggml(name: str, w: np.ndarray):
+    """A GGML block matrix of ``w`` (gguf-py quantizes; K-quants get random blocks of the right size)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    from gemmalite.kernels.ggml import block_info
+    from gemmalite.weights.ggml import GGMLMatrix
+
+    try:
+        raw = np.ascontiguousarray(quants.quantize(w, Q[name])).view(np.uint8)
+    except NotImplementedError:
+        bs, ts = block_info(name)
+        raw = np.random.default_rng(0).integers(0, 256, size=(w.shape[0], w.shape[1] // bs * ts), dtype=np.uint8)
+        d = np.array([0.01, 0.01], np.float16).view(np.uint8)  # small finite float16 scales
+        blocks = raw.reshape(w.shape[0], -1, ts)
+        if name == "Q6_K":  # d at the end of the block
+            blocks[..., 208:210] = d[:2]
+        else:  # d, dmin first
+            blocks[..., 0:4] = d
+    return GGMLMatrix(raw, name, w.shape)
+
+
 @pytest.mark.parametrize("cols", [256, 8192])  # 8192: the kernels' four-rows-per-task variant
 def test_matmul_each_equals_one_row_products(cols):
     """Every weight format's batched product equals its one-row product, row by row, bit for bit."""
@@ -57,6 +79,8 @@ def test_matmul_each_equals_one_row_products(cols):
     x = rng.standard_normal((9, cols)).astype(np.float32)
     mats = [F32Matrix(w), HalfMatrix(w.astype(BF16)), HalfMatrix(w.astype(np.float16)), Int8Matrix.quantize(w),
             Int4Matrix.quantize(w, 32, search=False), Int4Matrix.quantize(w, 64, search=False)]
+    if cols == 256:  # the multi-row W8A16 kernel (Q8_0), and a fused-kernel type in chunks (Q4_K)
+        mats += [_ggml(name, w) for name in ("Q8_0", "Q4_K")]
     for m in mats:
         np.testing.assert_array_equal(m.matmul_each(x), np.concatenate([m.matmul(r[None]) for r in x]), err_msg=repr(m))
 
