@@ -149,15 +149,15 @@ class Scheduler:
     # -- the scheduler thread ------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            self._admit()
-            self._drop_cancelled()
-            if not self.active:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                self._admit()
+                self._drop_cancelled()
+                if not self.active:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 self._decode()
-            except Exception as e:  # an engine failure ends this batch, not the server
+            except Exception as e:  # a failure ends the running batch, never the scheduler
                 for seq in list(self.active):
                     self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
         for seq in self.active:

@@ -13,11 +13,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import openai
 import pytest
-
-pytest.importorskip("starlette")
-uvicorn = pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
+import uvicorn
 
 KEY = "test-key-123"
 MODEL_ID = "tiny-gemma"
@@ -321,3 +319,24 @@ def test_full_queue_answers_503(live):
         assert time.time() - t0 < 10
         time.sleep(0.02)
     assert live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_engine_failure_is_500_and_server_keeps_serving(live, refs):
+    sch = live.srv.scheduler
+    real = sch.engine
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_batch(self, states, tokens):
+            raise RuntimeError("simulated kernel failure")
+
+    sch.engine = Failing()
+    try:
+        status, _, body = live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 5})
+    finally:
+        sch.engine = real
+    assert status == 500 and "simulated kernel failure" in body["error"]["message"]
+    r = live.client().completions.create(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert r.choices[0].text == refs[("gen", PROMPTS[0])]
