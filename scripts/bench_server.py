@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         if a.gemmalite:
-            cmd = [sys.executable, "-m", "gemmalite.server", a.gemmalite, "--port", str(port), "--context",
+            cmd = [sys.executable, "-m", "gemmalite.cli", "serve", a.gemmalite, "--port", str(port), "--context",
                    str(a.context), "--max-concurrency", str(max(levels)), "--prefix-cache", "0"]
         else:
             if not a.gguf:
