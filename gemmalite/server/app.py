@@ -287,7 +287,7 @@ class Server:
         raise APIError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
 
     async def health(self, request: Request) -> Response:
-        if not self.scheduler._thread.is_alive():
+        if not self.scheduler.alive:
             return JSONResponse({"status": "error", "detail": "scheduler stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 

@@ -121,12 +121,21 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self._wake = threading.Event()
         self._stop = False
+        self._start_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="gemmalite-scheduler", daemon=True)
 
     # -- any thread -------------------------------------------------------------------
     def start(self) -> "Scheduler":
-        self._thread.start()
+        """Start the thread (idempotent; `submit` calls it, for hosts that run no ASGI lifespan)."""
+        with self._start_lock:
+            if self._thread.ident is None and not self._stop:
+                self._thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        """Running, or not started yet (it starts with the first request)."""
+        return self._thread.is_alive() or (self._thread.ident is None and not self._stop)
 
     def close(self) -> None:
         self._stop = True
@@ -135,6 +144,7 @@ class Scheduler:
             self._thread.join(timeout=30)
 
     def submit(self, seq: Sequence) -> None:
+        self.start()
         try:
             self.waiting.put_nowait(seq)
         except queue.Full:
