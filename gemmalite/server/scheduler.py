@@ -159,20 +159,24 @@ class Scheduler:
     # -- the scheduler thread ------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
+            self._wake.clear()  # before looking: a submit from now on wakes the wait below
             try:
                 self._admit()
                 self._drop_cancelled()
                 if not self.active:
                     self._wake.wait(timeout=0.5)
-                    self._wake.clear()
                     continue
                 self._decode()
             except Exception as e:  # a failure ends the running batch, never the scheduler
                 for seq in list(self.active):
                     self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
-        for seq in self.active:
+        for seq in list(self.active):  # shutting down: everyone still here gets an answer
             self._finish(seq, "cancelled")
-        self.active.clear()
+        while True:
+            try:
+                self._finish(self.waiting.get_nowait(), "cancelled")
+            except queue.Empty:
+                break
 
     def _admit(self) -> None:
         while len(self.active) < self.max_concurrency:
