@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import generate, tools
+from . import generate, serve, tools
 
-GROUPS = (generate, tools)  # run, chat | inspect, synth, convert, bench
+GROUPS = (generate, tools, serve)  # run, chat | inspect, synth, convert, bench | serve
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -332,3 +332,15 @@ def block_mv1_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
             block_row_dot(raw, xq, xd, r, out, 5)
         else:
             block_row_dot(raw, xq, xd, r, out, 8)
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
+    """``block_mv1_w8a16`` for several independent rows of x (``xq``, ``xd``, ``out`` with a
+    leading batch axis): each weight row is loaded once for all of them, the same sums."""
+    for r in prange(raw.shape[0]):
+        for t in range(xq.shape[0]):
+            if q5:
+                block_row_dot(raw, xq[t], xd[t], r, out[t], 5)
+            else:
+                block_row_dot(raw, xq[t], xd[t], r, out[t], 8)

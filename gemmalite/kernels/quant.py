@@ -133,6 +133,25 @@ def i8_mv1_w8a16(q, scale, xq, xd, rows_per_task, out):
 
 
 @njit(parallel=True, **_FAST)
+def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
+    """``i8_mv1_w8a16`` for several independent rows of x (``xq [B, k]``, ``xd [B, k//32]``,
+    ``out [B, n]``): each task's weight rows are loaded once and serve every row of x, with
+    the sums of the one-row kernel (batched decode of several sequences)."""
+    n = q.shape[0]
+    for b in prange((n + rows_per_task - 1) // rows_per_task):
+        r = b * rows_per_task
+        for t in range(xq.shape[0]):
+            ot = out[t]
+            if rows_per_task == 4 and r + 4 <= n:
+                int8_rows_dot(q, xq[t], xd[t], r, ot, 4)
+            else:
+                for i in range(r, min(n, r + rows_per_task)):
+                    int8_rows_dot(q, xq[t], xd[t], i, ot, 1)
+            for i in range(r, min(n, r + rows_per_task)):
+                ot[i] *= scale[i]
+
+
+@njit(parallel=True, **_FAST)
 def round_int16_rows(x, block, xq, xd):
     """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel."""
     for t in prange(x.shape[0]):
@@ -349,6 +368,21 @@ def i4_mv1_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
         else:
             for i in range(r, n):
                 i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, i, 1, out)
+
+
+@njit(parallel=True, **_FAST)
+def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
+    """``i4_mv1_w4a16`` for several independent rows of x (``xq``, ``xd``, ``xs``, ``out`` with a
+    leading batch axis): weight rows loaded once per task, the one-row kernel's sums."""
+    n = packed.shape[0]
+    for b in prange((n + rows_per_task - 1) // rows_per_task):
+        r = b * rows_per_task
+        for t in range(xq.shape[0]):
+            if r + rows_per_task <= n:
+                i4_rows_w4a16(packed, scales, mins, xq[t], xd[t], xs[t], group, r, rows_per_task, out[t])
+            else:
+                for i in range(r, n):
+                    i4_rows_w4a16(packed, scales, mins, xq[t], xd[t], xs[t], group, i, 1, out[t])
 
 
 @njit(parallel=True, **_FAST)

@@ -55,6 +55,13 @@ def int16_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     return xq, xd, xs
 
 
+def int16_activation_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`int16_activations` of each row of ``x`` ``[B, k]``, stacked (``[B, k]``, ``[B, k//group]`` x2):
+    the input of the multi-row decode kernels, exactly the one-row kernels' input row by row."""
+    parts = [int16_activations(row, group) for row in x]
+    return tuple(np.stack([p[i] for p in parts]) for i in range(3))
+
+
 def _vec(t: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(t, n)
 

@@ -7,6 +7,7 @@ tables (token embedding, PLE table, LM head). Everything a request changes lives
     state = engine.new_state()
     logits = engine.logits(engine.prefill(state, ids))[0]   # the prompt; logits of its last position
     logits = engine.decode_step(state, next_id)             # one token
+    logits = engine.decode_batch(states, next_ids)          # one token for each of B sequences
 
 The host side (row lookups, LM head, softcap) is here; the graph (layers + KV cache) is behind
 ``graph.forward(state, x0, ple_rows, keep)``, the one call another backend would implement.
@@ -33,6 +34,8 @@ class Graph(Protocol):
 
     def forward(self, state: KVState, x0: np.ndarray, ple_rows: np.ndarray | None,
                 keep: np.ndarray | None = None, capture: list | None = None) -> np.ndarray: ...
+
+    def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -113,3 +116,16 @@ class Engine:
     def decode_step(self, state: KVState, token: int) -> np.ndarray:
         """Append one token to ``state``; the logits ``[vocab]`` of the next position."""
         return self.logits(self.forward(state, np.array([token], dtype=np.int64)))[0]
+
+    def decode_batch(self, states: list[KVState], tokens) -> np.ndarray:
+        """One token for each of B sequences in one pass over the weights: logits ``[B, vocab]``,
+        row ``b`` exactly ``decode_step(states[b], tokens[b])``'s (continuous batching)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        with COMPUTE_LOCK:
+            x0 = self.embed.rows(ids) * self.embed_scale
+            ple = self.ple_table.rows(ids) * self.ple_scale if self.ple_table is not None else None
+            h = self.graph.forward_batch(states, x0, ple)
+            logits = softcap(self.lm_head.matmul_each(h), self.softcap)
+        for state, i in zip(states, ids):
+            state.tokens.append(int(i))
+        return logits

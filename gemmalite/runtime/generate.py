@@ -156,27 +156,52 @@ def cut_tokens_at_strings(tokens: Iterator[int], tokenizer: Tokenizer, stops: li
 
 def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer, stops: list[str], stats: GenerationStats) -> Iterator[str]:
     """Token ids to text pieces; cut at the first stop string, holding back text that may start one."""
-    stream = tokenizer.stream()
-    hold = max((len(s) for s in stops), default=1) - 1
-    pending = ""
+    cutter = TextCutter(tokenizer, stops)
     for t in tokens:
-        pending += stream.push(t)
-        cut = _first_stop(pending, stops)
-        if cut >= 0:
+        piece = cutter.push(t)
+        if piece:
+            yield piece
+        if cutter.stopped:
             stats.finish_reason = "stop"
-            if pending[:cut]:
-                yield pending[:cut]
             return
-        if len(pending) > hold:
-            yield pending[: len(pending) - hold]
-            pending = pending[len(pending) - hold:]
-    pending += stream.flush()
-    cut = _first_stop(pending, stops)
-    if cut >= 0:
+    piece = cutter.finish()
+    if cutter.stopped:
         stats.finish_reason = "stop"
-        pending = pending[:cut]
-    if pending:
-        yield pending
+    if piece:
+        yield piece
+
+
+class TextCutter:
+    """Push-style detokenizer with stop strings (`text_pieces`, and the server's scheduler, which
+    feeds many sequences one token at a time): text that may begin a stop string is held back
+    until it cannot; ``stopped`` once a stop string appeared (the text before it is returned)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
+        self.stream = tokenizer.stream()
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.pending += self.stream.push(token)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """What is still held back, at the end of the tokens."""
+        self.pending += self.stream.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        cut = _first_stop(self.pending, self.stops)
+        if cut >= 0:
+            out, self.pending, self.stopped = self.pending[:cut], "", True
+            return out
+        n = len(self.pending) - (0 if final else self.hold)
+        if n <= 0:
+            return ""
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out
 
 
 def _first_stop(text: str, stops: list[str]) -> int:

@@ -45,6 +45,17 @@ class Matrix:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def matmul_each(self, x: np.ndarray) -> np.ndarray:
+        """``matmul`` of each row of ``x`` on its own: row ``i`` of the result equals
+        ``matmul(x[i:i+1])`` exactly (the rounding of a one-token decode step), for a batch of
+        sequences decoding together. Formats whose one-row kernel serves several rows read the
+        weights once per call; this fallback reads them once per row."""
+        return np.concatenate([self.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+
+    def _each_in_chunks(self, x: np.ndarray, rows: int) -> np.ndarray:
+        """``matmul_each`` for formats whose few-row kernel computes each row as it computes one."""
+        return np.concatenate([self.matmul(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
+
     def dense(self) -> np.ndarray:
         """The whole matrix in float32 (tests and conversion only)."""
         return self.rows(np.arange(self.shape[0]))
@@ -72,6 +83,9 @@ class F32Matrix(Matrix):
             f32_matmul_small(x, self.w, out)
             return out
         return x @ self.w.T
+
+    def matmul_each(self, x: np.ndarray) -> np.ndarray:
+        return self._each_in_chunks(x, common.FEW_ROWS)
 
 
 class HalfMatrix(Matrix):
@@ -103,6 +117,9 @@ class HalfMatrix(Matrix):
             blk = self.w[r0 : r0 + ROW_BLOCK].astype(np.float32)
             out[:, r0 : r0 + blk.shape[0]] = x @ blk.T
         return out
+
+    def matmul_each(self, x: np.ndarray) -> np.ndarray:
+        return self._each_in_chunks(x, common.FEW_ROWS) if self.w.dtype == BF16 else super().matmul_each(x)
 
 
 def as_matrix(w: np.ndarray, *, keep_half: bool = False) -> Matrix:

@@ -50,10 +50,10 @@ import threading
 import numpy as np
 
 from ..kernels import common
-from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv1_w4a16, i4_mv4,
+from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv1_w4a16, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
-                             i8_mv1_rows4, i8_mv1_w8a16, i8_mv4, i8_quantize, round_int16_rows)
-from ..kernels.simd import TILE_BLOCK, int16_activations
+                             i8_mv1_rows4, i8_mv1_w8a16, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
+from ..kernels.simd import TILE_BLOCK, int16_activation_rows, int16_activations
 from .matrix import Matrix
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
@@ -197,6 +197,15 @@ class Int8Matrix(_Quantized):
             i8_mv4(self.q, self.scale, x, out)
         return out
 
+    def matmul_each(self, x: np.ndarray) -> np.ndarray:
+        x = _check_x(x, self.shape[1])
+        if not (common.HAVE_AVX2 and self.shape[1] % 32 == 0):
+            return super().matmul_each(x)
+        xq, xd, _ = int16_activation_rows(x, 32)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        i8_mvn_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
+        return out
+
     def _matmul_w8a16(self, x: np.ndarray) -> np.ndarray:
         """Prefill: x rounded to int16 per TILE_BLOCK values, integer tiles, TOKEN_CHUNK tokens at
         a time (so that a chunk of x stays in L2 while every weight strip passes by)."""
@@ -314,6 +323,16 @@ class Int4Matrix(_Quantized):
             i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out)
         else:
             i4_mv4(self.packed, self._s16, self._m16, x, xs, self.group, out)
+        return out
+
+    def matmul_each(self, x: np.ndarray) -> np.ndarray:
+        x = _check_x(x, self.shape[1])
+        if not common.HAVE_AVX2:
+            return super().matmul_each(x)
+        xq, xd, xs = int16_activation_rows(x, self.group)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        i4_mvn_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
+                     4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
         return out
 
     def __repr__(self):

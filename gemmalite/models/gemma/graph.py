@@ -11,7 +11,7 @@ lookups, the LM head and sampling stay on the host.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class DecoderGraph:
         h = np.ascontiguousarray(x0, dtype=np.float32)
         ple = self._ple_inputs(h, ple_rows) if self.ple is not None else None
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
-        shared: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        groups = [_Group(state, slice(None), start)]
         rows = np.arange(T) if keep is None else np.asarray(keep, dtype=np.int64)
         if capture is not None:
             capture.append(h.copy())
@@ -113,62 +113,106 @@ class DecoderGraph:
                 ple = ple[rows] if ple is not None else None
                 ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
                 rows = np.arange(len(rows))
-            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], state, shared, start)
+            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups)
             if capture is not None:
                 capture.append(h.copy())
         state.length = start + T
         h = h[rows] if len(rows) < h.shape[0] else h
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
-    def _ple_inputs(self, x0: np.ndarray, tok_rows: np.ndarray) -> np.ndarray:
+    def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray:
+        """One new token for each of B sequences (``x0`` ``[B, H]``, ``ple_rows`` ``[B, L*P]``).
+
+        The projections run on the ``[B, ·]`` stack with `Matrix.matmul_each`, so each weight is
+        read once for the batch while row ``b`` gets exactly the numbers ``forward(states[b],
+        x0[b:b+1], ...)`` gives; attention and K/V writes are per sequence. Returns ``[B, H]``.
+        """
+        for s in states:
+            if s.length + 1 > s.context:
+                raise ContextError(f"sequence of {s.length + 1} tokens exceeds the context of {s.context}")
+        pos = np.array([s.length for s in states], dtype=np.int64)
+        h = np.ascontiguousarray(x0, dtype=np.float32)
+        ple = self._ple_inputs(h, ple_rows, each=True) if self.ple is not None else None
+        ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
+        groups = [_Group(s, slice(b, b + 1), s.length) for b, s in enumerate(states)]
+        for spec, w in zip(self.cfg.layers, self.layers):
+            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each=True)
+        for s in states:
+            s.length += 1
+        return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+
+    def _ple_inputs(self, x0: np.ndarray, tok_rows: np.ndarray, each: bool = False) -> np.ndarray:
         """``(rms(x0·W_projᵀ·H^-½ per layer slice) + token rows) · 2^-½`` → ``[T, L, P]``."""
         cfg, T = self.cfg, x0.shape[0]
-        ctx = self.ple.projection.matmul(x0) * np.float32(cfg.hidden_size**-0.5)
+        ctx = _mm(self.ple.projection, x0, each) * np.float32(cfg.hidden_size**-0.5)
         ctx = rms_norm(ctx.reshape(T, cfg.num_hidden_layers, cfg.ple_dim), self.ple.norm, cfg.rms_norm_eps)
         tok = tok_rows.reshape(T, cfg.num_hidden_layers, cfg.ple_dim)
         return (ctx + tok) * np.float32(2.0**-0.5)
 
-    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, state: KVState, shared, start) -> np.ndarray:
+    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, groups: list["_Group"], each: bool = False) -> np.ndarray:
+        """One decoder layer over the rows of ``h``; each group's rows attend to its own state.
+        ``each``: rows are independent sequences (`forward_batch`)."""
         cfg = self.cfg
         eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
         cos, sin = rope
         bias = w.bias or {}
 
         a = rms_norm(h, w.ln_in, eps)
-        q = _proj(w.q, a, bias.get("q")).reshape(T, nq, D)
+        q = _proj(w.q, a, bias.get("q"), each).reshape(T, nq, D)
         q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
         if spec.owns_kv:
-            kr = _proj(w.k, a, bias.get("k")).reshape(T, spec.num_kv_heads, D)
-            vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v")).reshape(T, spec.num_kv_heads, D)
+            kr = _proj(w.k, a, bias.get("k"), each).reshape(T, spec.num_kv_heads, D)
+            vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v"), each).reshape(T, spec.num_kv_heads, D)
             k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
             v = rms_norm(vr, None, eps) if cfg.v_norm else vr
-            ring = state.rings[spec.index]
-            if ring.evicts(T):  # the new queries still need entries this write would overwrite
-                pk, pv, pp = ring.view()
-                kv = (np.concatenate([pk, k]), np.concatenate([pv, v]), np.concatenate([pp, pos]))
-                ring.write(k, v, start)
-            else:
-                ring.write(k, v, start)
-                kv = ring.view()
-            shared[spec.index] = kv
-        else:
-            kv = shared[spec.kv_source]
         window = cfg.sliding_window if spec.sliding else None
-        o = attention(q, kv[0], kv[1], pos, kv[2], window, cfg.attn_scale, self._blas_free)
-        h = h + rms_norm(_proj(w.o, o, bias.get("o")), w.ln_post_attn, eps)
+        outs = []
+        for g in groups:
+            if spec.owns_kv:
+                g.shared[spec.index] = kv = _write_kv(g.state.rings[spec.index], k[g.rows], v[g.rows], pos[g.rows], g.start)
+            else:
+                kv = g.shared[spec.kv_source]
+            outs.append(attention(q[g.rows], kv[0], kv[1], pos[g.rows], kv[2], window, cfg.attn_scale, self._blas_free))
+        o = outs[0] if len(outs) == 1 else np.concatenate(outs)
+        h = h + rms_norm(_proj(w.o, o, bias.get("o"), each), w.ln_post_attn, eps)
 
         m = rms_norm(h, w.ln_pre_ff, eps)
-        m = w.down.matmul(gelu_tanh_mul(w.gate.matmul(m), w.up.matmul(m)))
+        m = _mm(w.down, gelu_tanh_mul(_mm(w.gate, m, each), _mm(w.up, m, each)), each)
         h = h + rms_norm(m, w.ln_post_ff, eps)
 
         if ple is not None:
-            g = gelu_tanh_mul(w.ple_gate.matmul(h), ple[:, spec.index, :])
-            h = h + rms_norm(w.ple_proj.matmul(g), w.ple_norm, eps)
+            g = gelu_tanh_mul(_mm(w.ple_gate, h, each), ple[:, spec.index, :])
+            h = h + rms_norm(_mm(w.ple_proj, g, each), w.ple_norm, eps)
         if w.layer_scalar is not None:
             h = h * w.layer_scalar
         return h
 
 
-def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    y = m.matmul(x)
+@dataclass
+class _Group:
+    """The rows of a step that belong to one sequence, and the K/V its layers produced."""
+
+    state: KVState
+    rows: slice
+    start: int  # the sequence's position of its first row
+    shared: dict = field(default_factory=dict)  # layer index -> (K, V, positions) for KV-shared layers
+
+
+def _write_kv(ring: KVRing, k: np.ndarray, v: np.ndarray, pos: np.ndarray, start: int):
+    """Append K/V at ``start..``; returns what the new queries attend to (K, V, positions)."""
+    if ring.evicts(k.shape[0]):  # the new queries still need entries this write would overwrite
+        pk, pv, pp = ring.view()
+        kv = (np.concatenate([pk, k]), np.concatenate([pv, v]), np.concatenate([pp, pos]))
+        ring.write(k, v, start)
+        return kv
+    ring.write(k, v, start)
+    return ring.view()
+
+
+def _mm(m: Matrix, x: np.ndarray, each: bool) -> np.ndarray:
+    return m.matmul_each(x) if each else m.matmul(x)
+
+
+def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each: bool = False) -> np.ndarray:
+    y = _mm(m, x, each)
     return y + b if b is not None else y

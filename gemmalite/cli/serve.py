@@ -1,0 +1,59 @@
+"""``gemmalite serve MODEL``: the OpenAI-compatible server (gemmalite.server) on uvicorn.
+The server's packages (the ``server`` extra) are imported only when the command runs."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .generate import load_args, load_model
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
+    load_args(p)
+    p.add_argument("--embedder", default=None, help="EmbeddingGemma checkpoint to serve /v1/embeddings")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--max-concurrency", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 503)")
+    p.add_argument("--model-name", default=None, help="model id clients send (default: the folder name)")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on max_tokens per request")
+    p.add_argument("--prefix-cache", type=int, default=4, help="finished KV states kept for prefix reuse")
+    p.set_defaults(func=cmd_serve)
+
+
+def _name(path: str) -> str:
+    return Path(path.rstrip("/")).name or path
+
+
+def load_embedder(path: str):
+    """The EmbeddingGemma embedder (from gemmalite.embeddings, when installed)."""
+    try:
+        from ..embeddings import load_embedder as load  # type: ignore[attr-defined]
+    except ImportError:
+        raise ValueError("--embedder needs gemmalite.embeddings, which this installation does not have") from None
+    return load(path)
+
+
+def _server_imports():
+    try:
+        import uvicorn
+
+        from ..server import build_app
+        from ..server.protocol import Limits
+    except ImportError as e:
+        raise ValueError(f"gemmalite serve needs the server extra: pip install 'gemmalite[server]' ({e})") from None
+    return uvicorn, build_app, Limits
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    uvicorn, build_app, Limits = _server_imports()
+    model = load_model(a)
+    embedder = load_embedder(a.embedder) if a.embedder else None
+    app = build_app(model, embedder, model_id=a.model_name or _name(a.model),
+                    embedder_id=_name(a.embedder) if a.embedder else None, api_key=a.api_key,
+                    max_concurrency=a.max_concurrency, max_queue=a.max_queue, prefix_cache=a.prefix_cache,
+                    limits=Limits(max_tokens=a.max_tokens))
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    return 0

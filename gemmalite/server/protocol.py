@@ -1,0 +1,201 @@
+"""OpenAI request bodies -> checked values, and the error shape every failure answers with.
+
+Every check raises `APIError` with the status code and the OpenAI ``{"error": {...}}`` body;
+nothing a client sends reaches the engine unchecked.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class Limits:
+    """What one request may ask for (the server's command line sets them)."""
+
+    max_body_bytes: int = 4 << 20
+    max_tokens: int | None = None  # None: up to the context
+    max_inputs: int = 256  # embedding inputs per request
+    max_stop: int = 4
+    max_stop_chars: int = 256
+
+
+# -- typed field readers -------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def opt_int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(f"'{key}' must be an integer {rng}, got {v!r}", key)
+    return v
+
+
+def opt_float(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v > hi or v < lo or (lo_open and v == lo):
+        raise bad(f"'{key}' must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}", key)
+    return float(v)
+
+
+def opt_bool(body: dict, key: str) -> bool | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean, got {v!r}", key)
+    return v
+
+
+def require_model(body: dict, served: str | None, what: str) -> str:
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise bad("'model' must be a non-empty string", "model")
+    if name != served:
+        avail = f"this server has {served!r}" if served else f"this server has no {what} model"
+        raise APIError(404, f"The model {name!r} does not exist: {avail}", param="model", code="model_not_found")
+    return name
+
+
+def reject_unsupported(body: dict, keys: dict[str, Any]) -> None:
+    """Options we do not implement: allowed only at their neutral value, never silently ignored."""
+    for key, neutral in keys.items():
+        v = body.get(key)
+        if v is not None and v != neutral and not (isinstance(neutral, tuple) and v in neutral):
+            raise bad(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+
+
+# -- generation requests --------------------------------------------------------------------
+@dataclass
+class Generation:
+    """The checked sampling part of a chat or completion request."""
+
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # llama.cpp's extension: generate through end-of-sequence tokens (benchmarks)
+    sampling: dict[str, Any] = field(default_factory=dict)  # Model._params keywords
+
+
+UNSUPPORTED_GEN = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
+                   "logit_bias": ({},), "tools": ([],), "functions": ([],), "best_of": 1, "echo": False,
+                   "suffix": "", "response_format": ({"type": "text"},), "tool_choice": "none"}
+
+
+def generation(body: dict, limits: Limits) -> Generation:
+    reject_unsupported(body, UNSUPPORTED_GEN)
+    mt = opt_int(body, "max_completion_tokens", 1)
+    mt = opt_int(body, "max_tokens", 1) if mt is None else mt
+    if mt is not None and limits.max_tokens is not None and mt > limits.max_tokens:
+        raise bad(f"max_tokens is at most {limits.max_tokens} on this server, got {mt}", "max_tokens")
+    stream = bool(opt_bool(body, "stream"))
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    include_usage = bool(opt_bool(so or {}, "include_usage"))
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise bad("'stop' must be a non-empty string or a list of them", "stop")
+    stop = stop or []
+    if len(stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in stop):
+        raise bad(f"'stop' takes at most {limits.max_stop} strings of {limits.max_stop_chars} characters", "stop")
+    sampling = dict(temperature=opt_float(body, "temperature", 0.0, 2.0), top_p=opt_float(body, "top_p", 0.0, 1.0, lo_open=True),
+                    top_k=opt_int(body, "top_k", 0), min_p=opt_float(body, "min_p", 0.0, 1.0),
+                    repetition_penalty=opt_float(body, "repetition_penalty", 0.0, 10.0, lo_open=True),
+                    seed=opt_int(body, "seed", -(2**63), 2**64 - 1))
+    if sampling["seed"] is not None and sampling["seed"] < 0:
+        sampling["seed"] = sampling["seed"] % 2**64  # numpy seeds are non-negative
+    return Generation(mt, stream, include_usage, stop, bool(opt_bool(body, "ignore_eos")), sampling)
+
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it: roles, and content as one string."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), role, where)})
+    return out
+
+
+def _content(c: Any, role: str, where: str) -> str:
+    if isinstance(c, str):
+        return c
+    if c is None and role == "assistant":
+        return ""
+    if not isinstance(c, list):
+        raise bad(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(c):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_audio", "file"):
+            raise bad(f"{where}.content[{j}]: {kind} parts are not supported by this model", f"{where}.content")
+        else:
+            raise bad(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}", f"{where}.content")
+    return "\n".join(texts)
+
+
+def completion_prompt(body: dict, vocab: int) -> str | list[int]:
+    """One prompt: a string, or token ids (also as a one-element list)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        if any(t < 0 or t >= vocab for t in p):
+            raise bad(f"token ids must be in [0, {vocab})", "prompt")
+        return p
+    raise bad("'prompt' must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
+
+
+def embedding_inputs(body: dict, limits: Limits) -> tuple[list[str] | list[list[int]], bool]:
+    """(inputs, are_token_ids)."""
+    x = body.get("input")
+    if isinstance(x, str):
+        return [x], False
+    if isinstance(x, list) and x:
+        if len(x) > limits.max_inputs:
+            raise bad(f"at most {limits.max_inputs} inputs per request, got {len(x)}", "input")
+        if all(isinstance(s, str) for s in x):
+            return x, False
+        if all(_is_int(t) for t in x):
+            return [x], True
+        if all(isinstance(s, list) and s and all(_is_int(t) for t in s) for s in x):
+            return x, True
+    raise bad("'input' must be a string, a list of strings, or token ids (a list or a list of lists)", "input")

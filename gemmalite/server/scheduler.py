@@ -1,0 +1,260 @@
+"""Continuous batching: one thread owns the engine and steps every active sequence together.
+
+Requests wait in a bounded queue. Between two decode steps the scheduler admits waiting
+requests (up to ``max_concurrency`` active), prefills each one's new tokens and samples its
+first token; then one batched decode step computes the next token of every active sequence
+(`Engine.decode_batch`: each weight is read once for all of them). A sequence whose client
+went away (``cancel()``) is dropped at the next step and its KV state goes back to a small
+prefix cache: a later request that starts with the same tokens (a multi-turn chat resent
+whole) takes that state and runs only its new tokens.
+
+Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
+`Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
+`Model.generate`) are applied here, so a stop string ends the sequence at once.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..runtime.generate import TextCutter
+from ..runtime.sampling import Sampler, SamplingParams
+from .metrics import Metrics
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full: the caller answers 503 with Retry-After."""
+
+
+@dataclass
+class Piece:
+    text: str
+
+
+@dataclass
+class Finish:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    """One generation request as the scheduler sees it."""
+
+    ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop_ids: set[int]
+    stop_strings: list[str]
+    sink: Callable[[Any], None]
+    cancelled: bool = False
+    # filled in by the scheduler
+    state: Any = None
+    sampler: Sampler | None = None
+    cutter: TextCutter | None = None
+    history: list[int] = field(default_factory=list)
+    next_token: int = -1
+    generated: int = 0
+    cached: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Called from any thread; the scheduler frees the sequence at its next step."""
+        self.cancelled = True
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    """A few finished KV states, keyed by the tokens they hold; `take` hands the best match out."""
+
+    def __init__(self, engine, capacity: int):
+        self.engine = engine
+        self.capacity = capacity
+        self.states: list[Any] = []  # oldest first
+
+    def take(self, ids: list[int]) -> tuple[Any, int]:
+        """A state whose first ``reuse`` tokens equal ``ids``' (reuse < len(ids)), and ``reuse``."""
+        best, reuse = None, 0
+        for s in self.states:
+            n = min(_common_prefix(s.tokens, ids), len(ids) - 1)
+            if n > reuse:
+                best, reuse = s, n
+        if best is not None:
+            self.states.remove(best)
+            if best.truncate(reuse):
+                return best, reuse
+        return self.engine.new_state(), 0
+
+    def put(self, state: Any) -> None:
+        if self.capacity <= 0 or state is None or not state.tokens:
+            return
+        self.states.append(state)
+        del self.states[: max(0, len(self.states) - self.capacity)]
+
+
+class Scheduler:
+    """Owns ``engine`` on its own thread. ``submit`` enqueues (raises `Overloaded` when full)."""
+
+    def __init__(self, engine, tokenizer, *, max_concurrency: int = 8, max_queue: int = 64,
+                 prefix_cache: int = 4, metrics: Metrics | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_concurrency = max(1, max_concurrency)
+        self.waiting: queue.Queue[Sequence] = queue.Queue(maxsize=max(1, max_queue))
+        self.active: list[Sequence] = []
+        self.cache = PrefixCache(engine, prefix_cache)
+        self.metrics = metrics or Metrics()
+        self._wake = threading.Event()
+        self._stop = False
+        self._start_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="gemmalite-scheduler", daemon=True)
+
+    # -- any thread -------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        """Start the thread (idempotent; `submit` calls it, for hosts that run no ASGI lifespan)."""
+        with self._start_lock:
+            if self._thread.ident is None and not self._stop:
+                self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Running, or not started yet (it starts with the first request)."""
+        return self._thread.is_alive() or (self._thread.ident is None and not self._stop)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def submit(self, seq: Sequence) -> None:
+        self.start()
+        try:
+            self.waiting.put_nowait(seq)
+        except queue.Full:
+            self.metrics.inc("gemmalite_rejected_total")
+            raise Overloaded(f"{self.waiting.maxsize} requests are already waiting") from None
+        self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting.qsize()
+
+    # -- the scheduler thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.clear()  # before looking: a submit from now on wakes the wait below
+            try:
+                self._admit()
+                self._drop_cancelled()
+                if not self.active:
+                    self._wake.wait(timeout=0.5)
+                    continue
+                self._decode()
+            except Exception as e:  # a failure ends the running batch, never the scheduler
+                for seq in list(self.active):
+                    self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+        for seq in list(self.active):  # shutting down: everyone still here gets an answer
+            self._finish(seq, "cancelled")
+        while True:
+            try:
+                self._finish(self.waiting.get_nowait(), "cancelled")
+            except queue.Empty:
+                break
+
+    def _admit(self) -> None:
+        while len(self.active) < self.max_concurrency:
+            try:
+                seq = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+                continue
+            try:
+                self._prefill(seq)
+            except Exception as e:  # a request the engine refuses must not stop the others
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+
+    def _prefill(self, seq: Sequence) -> None:
+        seq.state, seq.cached = self.cache.take(seq.ids)
+        seq.sampler = Sampler(seq.params)
+        seq.cutter = TextCutter(self.tokenizer, seq.stop_strings)
+        seq.history = list(seq.ids)
+        if seq.max_tokens <= 0:
+            self._finish(seq, "length")
+            return
+        h = self.engine.prefill(seq.state, np.asarray(seq.ids[seq.cached:], dtype=np.int64))
+        self.metrics.observe("gemmalite_time_to_first_token_seconds", time.perf_counter() - seq.submitted)
+        self.metrics.inc("gemmalite_prompt_tokens_total", len(seq.ids))
+        self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)
+        self.active.append(seq)
+        self._accept(seq, self.engine.logits(h)[0])
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.active if s.cancelled]:
+            self._finish(seq, "cancelled")
+
+    def _decode(self) -> None:
+        batch = list(self.active)
+        t0 = time.perf_counter()
+        logits = self.engine.decode_batch([s.state for s in batch], [s.next_token for s in batch])
+        self.metrics.inc("gemmalite_decode_steps_total")
+        self.metrics.inc("gemmalite_decode_step_sequences_total", len(batch))
+        self.metrics.inc("gemmalite_decode_seconds_total", time.perf_counter() - t0)
+        for seq, row in zip(batch, logits):
+            self._accept(seq, row)
+
+    def _accept(self, seq: Sequence, logits: np.ndarray) -> None:
+        """Sample the next token from ``logits``; emit its text or finish the sequence."""
+        tok = seq.sampler(logits, seq.history)
+        if tok in seq.stop_ids:
+            self._finish(seq, "stop")
+            return
+        seq.generated += 1
+        self.metrics.inc("gemmalite_completion_tokens_total")
+        seq.history.append(tok)
+        text = seq.cutter.push(tok)
+        if text:
+            self._emit(seq, Piece(text))
+        if seq.cutter.stopped:
+            self._finish(seq, "stop")
+        elif seq.generated >= seq.max_tokens or seq.state.length >= seq.state.context:
+            self._finish(seq, "length")
+        else:
+            seq.next_token = tok
+
+    def _emit(self, seq: Sequence, event: Any) -> None:
+        try:
+            seq.sink(event)
+        except Exception:  # the client's event loop is gone: nobody will read the rest
+            seq.cancelled = True
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+        if reason in ("stop", "length") and seq.cutter is not None and not seq.cutter.stopped:
+            tail = seq.cutter.finish()
+            if tail:
+                self._emit(seq, Piece(tail))
+        if reason != "error":  # a failed step may have left the state half written
+            self.cache.put(seq.state)
+        seq.state = None
+        self.metrics.inc("gemmalite_finished_total", labels={"reason": reason})
+        self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error))

@@ -1,0 +1,113 @@
+"""The scheduler's bookkeeping on a fake engine (no model): sequences join one batch, finish by
+length / stop token / stop string, a cancelled one leaves at the next step, a resent prefix is
+reused, and shutdown answers everyone."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+
+from gemmalite.runtime.cache import KVState
+from gemmalite.runtime.sampling import SamplingParams
+from gemmalite.server.scheduler import Finish, Piece, Scheduler, Sequence
+from gemmalite.tokenizer import fallback_tokenizer
+
+VOCAB = 105  # the fallback tokenizer's ids up to <unused104>; id n >= 5 reads "<unusedn>"
+
+
+def _text(*ids: int) -> str:
+    return "".join(f"<unused{i}>" for i in ids)
+
+
+class CountingEngine:
+    """Next token = last token + 1 (greedy); records every decode batch's size."""
+
+    def __init__(self, step_s: float = 0.0):
+        self.batches: list[int] = []
+        self.step_s = step_s
+
+    def new_state(self) -> KVState:
+        return KVState({}, context=64)
+
+    def prefill(self, state, ids):
+        state.length += len(ids)
+        state.tokens.extend(int(i) for i in ids)
+        return np.array([[float(ids[-1])]])
+
+    def logits(self, h):
+        out = np.zeros((h.shape[0], VOCAB), np.float32)
+        out[np.arange(h.shape[0]), (h[:, 0].astype(int) + 1) % VOCAB] = 1.0
+        return out
+
+    def decode_batch(self, states, tokens):
+        time.sleep(self.step_s)
+        self.batches.append(len(states))
+        for s, t in zip(states, tokens):
+            s.length += 1
+            s.tokens.append(int(t))
+        return self.logits(np.array([[float(t)] for t in tokens]))
+
+
+def _seq(ids, max_tokens, events, stop_ids=(), stops=()):
+    return Sequence(ids=list(ids), max_tokens=max_tokens, params=SamplingParams(temperature=0), stop_ids=set(stop_ids),
+                    stop_strings=list(stops), sink=events.put)
+
+
+def _drain(events: queue.Queue, timeout=10.0):
+    text, t0 = [], time.time()
+    while True:
+        ev = events.get(timeout=max(0.1, timeout - (time.time() - t0)))
+        if isinstance(ev, Finish):
+            return "".join(text), ev
+        text.append(ev.text)
+
+
+def test_batching_finish_reasons_and_prefix_reuse():
+    eng = CountingEngine(step_s=0.01)
+    sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=4).start()
+    try:
+        a, b, c = queue.Queue(), queue.Queue(), queue.Queue()
+        sch.submit(_seq([10], 5, a))
+        sch.submit(_seq([20], 10, b, stop_ids=[24]))
+        sch.submit(_seq([30], 10, c, stops=["d34>"]))
+        text_a, fin_a = _drain(a)
+        text_b, fin_b = _drain(b)
+        text_c, fin_c = _drain(c)
+        assert (text_a, fin_a.reason, fin_a.completion_tokens) == (_text(11, 12, 13, 14, 15), "length", 5)
+        assert (text_b, fin_b.reason, fin_b.completion_tokens) == (_text(21, 22, 23), "stop", 3)
+        assert (text_c, fin_c.reason) == (_text(31, 32, 33) + "<unuse", "stop")
+        assert max(eng.batches) >= 2  # the sequences stepped together
+        # a prompt that extends a finished sequence's tokens reuses its state (all but its last token)
+        d = queue.Queue()
+        sch.submit(_seq([10, 11, 12, 13, 14, 15, 60], 2, d))
+        text_d, fin_d = _drain(d)
+        assert (fin_d.cached_tokens, fin_d.prompt_tokens, text_d) == (5, 7, _text(61, 62))
+    finally:
+        sch.close()
+    assert not sch.alive
+
+
+def test_length_and_cancel_and_shutdown():
+    eng = CountingEngine(step_s=0.02)
+    sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=1, prefix_cache=0).start()
+    a, b = queue.Queue(), queue.Queue()
+    seq_a = _seq([10], 50, a)
+    sch.submit(seq_a)
+    sch.submit(_seq([40], 3, b))  # waits: one sequence at a time
+    assert isinstance(a.get(timeout=10), Piece)
+    seq_a.cancel()
+    _, fin_a = _drain(a)
+    assert fin_a.reason == "cancelled" and fin_a.completion_tokens < 50
+    text_b, fin_b = _drain(b)  # admitted once a left
+    assert (text_b, fin_b.reason) == (_text(41, 42, 43), "length")
+    assert sch.active == []
+    # shutdown: the running sequence and the waiting ones all get an answer
+    c, d = queue.Queue(), queue.Queue()
+    sch.submit(_seq([5], 60, c))
+    sch.submit(_seq([6], 60, d))
+    c.get(timeout=10)
+    threading.Thread(target=sch.close).start()
+    assert _drain(c)[1].reason == "cancelled"
+    assert _drain(d)[1].reason == "cancelled"

@@ -1,0 +1,342 @@
+"""The OpenAI-compatible server, driven by the real `openai` client against a live uvicorn on
+loopback, with a tiny synthetic checkpoint. The oracle is `Model.generate` / `Model.chat` on
+the same model (computed before the server serves, never concurrently with it)."""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+KEY = "test-key-123"
+MODEL_ID = "tiny-gemma"
+EMB_ID = "fake-embedder"
+PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):",
+           "Roses are red", "A B C", "Gemma runs on the CPU"]
+
+
+class FakeEmbedder:
+    """Stands in for gemmalite.embeddings (not in this branch): the server only relays its output."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def embed(self, texts, dimensions=None):
+        out = []
+        for t in texts:
+            v = np.random.default_rng(sum(self.tokenizer.encode(t))).standard_normal(64).astype(np.float32)
+            v = v[:dimensions] if dimensions else v
+            out.append(v / np.linalg.norm(v))
+        return np.stack(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, app):
+        self.app = app
+        self.srv = app.state.server
+        self.port = _free_port()
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.uv.started:
+            assert time.time() - t0 < 30, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+
+    def client(self, key=KEY, **kw):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0, timeout=60, **kw)
+
+    def raw(self, method, path, body=None, headers=None, key=KEY):
+        """(status, headers, parsed JSON or text) of one plain HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers=h)
+        r = conn.getresponse()
+        text = r.read().decode()
+        conn.close()
+        try:
+            return r.status, dict(r.getheaders()), json.loads(text)
+        except ValueError:
+            return r.status, dict(r.getheaders()), text
+
+    def metric(self, name, labels=""):
+        _, _, text = self.raw("GET", "/metrics")
+        m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, gl):
+    from gemmalite.tools.synth import synth
+
+    path = synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False)
+    return gl.load(path, context=256)
+
+
+@pytest.fixture(scope="module")
+def refs(model):
+    """Solo runs of every prompt through Model (greedy, and seeded sampling), before any serving."""
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        out[("gen", p)] = model.generate(p, max_new_tokens=10, temperature=0)
+        out[("sample", p)] = model.generate(p, max_new_tokens=10, temperature=0.9, top_p=0.9, seed=i)
+        model.reset_chat()
+        out[("chat", p)] = model.chat([{"role": "user", "content": p}], max_new_tokens=10, temperature=0)
+    model.reset_chat()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out["chat-sys"] = model.chat(msgs, max_new_tokens=12, temperature=0.7, seed=3)
+    model.reset_chat()
+    out["stop"] = model.generate(PROMPTS[0], max_new_tokens=20, temperature=0, stop=[out[("gen", PROMPTS[0])][3:5]])
+    out["ids"] = model.generate_tokens([2, 10, 200, 3000], max_new_tokens=6, temperature=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(model, refs):
+    from gemmalite.server import build_app
+
+    app = build_app(model, FakeEmbedder(model.tokenizer), model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY,
+                    max_concurrency=4, max_queue=8, prefix_cache=4)
+    s = LiveServer(app)
+    yield s
+    s.stop()
+
+
+def _stream_text(stream) -> tuple[str, str | None, object]:
+    text, finish, usage = [], None, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            text.append(getattr(c, "delta", None) and c.delta.content or getattr(c, "text", "") or "")
+            finish = c.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+def test_chat_equals_model(live, refs):
+    c = live.client()
+    for p in PROMPTS[:2]:
+        msgs = [{"role": "user", "content": p}]
+        r = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0)
+        assert r.choices[0].message.content == refs[("chat", p)]
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.completion_tokens <= 10 and r.usage.prompt_tokens > 0
+        s = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_completion_tokens=10, temperature=0,
+                                      stream=True, stream_options={"include_usage": True})
+        text, finish, usage = _stream_text(s)
+        assert (text, finish) == (refs[("chat", p)], r.choices[0].finish_reason)
+        assert usage.completion_tokens == r.usage.completion_tokens
+    # content parts, a system message, seeded sampling
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    r = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=12, temperature=0.7, seed=3)
+    assert r.choices[0].message.content == refs["chat-sys"]
+
+
+def test_completions_equal_model(live, refs):
+    c = live.client()
+    p = PROMPTS[0]
+    r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0)
+    assert r.choices[0].text == refs[("gen", p)]
+    text, _, _ = _stream_text(c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0, stream=True))
+    assert text == refs[("gen", p)]
+    stop = refs[("gen", p)][3:5]
+    r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].text == refs["stop"] and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model=MODEL_ID, prompt=[2, 10, 200, 3000], max_tokens=6, temperature=0)
+    assert r.choices[0].text == live.srv.tokenizer.decode(refs["ids"])
+    assert r.usage.prompt_tokens == 4
+
+
+def test_prefix_reuse(live, model):
+    """A prompt that extends a finished one (its prompt + reply + more) runs only the new tokens.
+    Token ids keep the test exact: the tiny model's 16-token sliding window allows no rollback,
+    and a random reply need not re-tokenize to the ids it was sampled as."""
+    c = live.client()
+    ids = [2, 818, 5279, 529, 7001, 563]
+    first = c.completions.create(model=MODEL_ID, prompt=ids, max_tokens=8, temperature=0)
+    reply = model.tokenizer.encode(first.choices[0].text, add_special_tokens=False)
+    second = c.completions.create(model=MODEL_ID, prompt=ids + reply + [9, 10], max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    if reply == model.generate_tokens(ids, max_new_tokens=8, temperature=0):  # round trip exact
+        assert cached == len(ids) + len(reply) - 1  # the state held all but the last sampled token
+    assert cached >= len(ids)
+    assert live.metric("gemmalite_cached_prompt_tokens_total") >= cached
+
+
+def test_concurrent_clients_no_crosstalk(live, refs):
+    c = live.client()
+
+    def one(i):
+        p = PROMPTS[i]
+        if i % 2:
+            s = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0.9, top_p=0.9, seed=i,
+                                     stream=True)
+            return _stream_text(s)[0], refs[("sample", p)]
+        r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0)
+        return r.choices[0].text, refs[("gen", p)]
+
+    steps0 = live.metric("gemmalite_decode_steps_total")
+    seqs0 = live.metric("gemmalite_decode_step_sequences_total")
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(one, range(8)))
+    for got, want in results:
+        assert got == want
+    steps = live.metric("gemmalite_decode_steps_total") - steps0
+    seqs = live.metric("gemmalite_decode_step_sequences_total") - seqs0
+    assert seqs / steps > 1.5  # sequences really were decoded together
+
+
+def test_embeddings(live, model):
+    c = live.client()
+    emb = FakeEmbedder(model.tokenizer)
+    r = c.embeddings.create(model=EMB_ID, input=["a cat", "a dog"])
+    np.testing.assert_array_equal(np.array([d.embedding for d in r.data], np.float32), emb.embed(["a cat", "a dog"]))
+    assert r.usage.prompt_tokens == sum(len(model.tokenizer.encode(t)) for t in ["a cat", "a dog"])
+    status, _, body = live.raw("POST", "/v1/embeddings", {"model": EMB_ID, "input": "x", "dimensions": 16,
+                                                           "encoding_format": "base64"})
+    assert status == 200
+    v = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), "<f4")
+    np.testing.assert_array_equal(v, emb.embed(["x"], dimensions=16)[0])
+
+
+BAD = [  # (path, body, status)
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": []}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": "hi"}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "word " * 400}]}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": [1, -5]}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": [262144]}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": ["a", "b"]}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": 42}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 255}, 400),  # context 256
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "logprobs": 3}, 400),
+    ("/v1/embeddings", {"model": EMB_ID, "input": 7}, 400),
+    ("/v1/embeddings", {"model": EMB_ID, "input": []}, 400),
+    ("/v1/embeddings", {"model": EMB_ID, "input": ["x"] * 300}, 400),
+    ("/v1/embeddings", {"model": EMB_ID, "input": "x", "encoding_format": "hex"}, 400),
+    ("/v1/embeddings", {"model": EMB_ID, "input": "x", "dimensions": 0}, 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x"}, 404),
+    ("/v1/nothing", {}, 404),
+    ("/v1/chat/completions", b"x" * (5 << 20), 413),
+]
+
+
+def test_bad_requests_answer_4xx(live, refs):
+    for path, body, want in BAD:
+        status, _, resp = live.raw("POST", path, body)
+        assert status == want, (path, body if len(str(body)) < 200 else "...", resp)
+        assert isinstance(resp, dict) and isinstance(resp["error"]["message"], str), resp
+    assert live.raw("GET", "/v1/chat/completions")[0] == 405
+    assert live.raw("GET", "/health", key=None)[0] == 200
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        live.client().completions.create(model=MODEL_ID, prompt="x", max_tokens=300)
+    r = live.client().completions.create(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert r.choices[0].text == refs[("gen", PROMPTS[0])]
+
+
+def test_api_key(live):
+    with pytest.raises(openai.AuthenticationError):
+        live.client(key="wrong").models.list()
+    for path in ("/v1/models", "/metrics"):
+        assert live.raw("GET", path, key=None)[0] == 401
+        assert live.raw("GET", path, key="wrong")[0] == 401
+    assert live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x"}, key=None)[0] == 401
+    assert live.raw("GET", "/health", key=None) [0] == 200
+    assert [m.id for m in live.client().models.list().data] == [MODEL_ID, EMB_ID]
+
+
+def test_dropped_stream_frees_slot(live):
+    before = live.metric("gemmalite_finished_total", '{reason="cancelled"}')
+    sock = socket.create_connection(("127.0.0.1", live.port))
+    body = json.dumps({"model": MODEL_ID, "prompt": "Once", "max_tokens": 250, "temperature": 1.0, "seed": 1,
+                       "stream": True, "stop": ["\u0000never"]}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data:") < 3:  # the stream is running
+        got += sock.recv(65536)
+    sock.close()
+    t0 = time.time()
+    while live.metric("gemmalite_finished_total", '{reason="cancelled"}') == before:
+        assert time.time() - t0 < 10, "the dropped stream was not cancelled"
+        time.sleep(0.05)
+    assert live.metric("gemmalite_active_sequences") == 0
+    assert live.raw("GET", "/health", key=None)[0] == 200
+
+
+def test_full_queue_answers_503(live):
+    from gemmalite.server.scheduler import Sequence
+
+    sch = live.srv.scheduler
+    sch.max_concurrency, parked = 0, []  # nothing is admitted while we fill the queue
+    try:
+        while not sch.waiting.full():
+            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None, cancelled=True))
+            sch.submit(parked[-1])
+        status, headers, body = live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2})
+        assert status == 503 and headers.get("retry-after") == "1" and body["error"]["code"] == "overloaded"
+    finally:
+        sch.max_concurrency = 4
+        sch._wake.set()
+    t0 = time.time()
+    while sch.queue_depth:
+        assert time.time() - t0 < 10
+        time.sleep(0.02)
+    assert live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_engine_failure_is_500_and_server_keeps_serving(live, refs):
+    sch = live.srv.scheduler
+    real = sch.engine
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_batch(self, states, tokens):
+            raise RuntimeError("simulated kernel failure")
+
+    sch.engine = Failing()
+    try:
+        status, _, body = live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 5})
+    finally:
+        sch.engine = real
+    assert status == 500 and "simulated kernel failure" in body["error"]["message"]
+    r = live.client().completions.create(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert r.choices[0].text == refs[("gen", PROMPTS[0])]

@@ -1,0 +1,94 @@
+"""The batched decode step (several sequences, one token each, each weight read once) gives
+every sequence exactly the logits of its own one-token decode step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from gemmalite.tools.synth import synth
+
+    return synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False)
+
+
+@pytest.fixture(scope="module", params=["stored", "int8"])
+def model(request, tiny_dir, tmp_path_factory, gl):
+    if request.param == "stored":
+        return gl.load(tiny_dir, context=64)
+    from gemmalite.tools.convert import convert
+
+    out = convert(tiny_dir, tmp_path_factory.mktemp(request.param), request.param, progress=False)
+    return gl.load(out, context=64)
+
+
+def test_decode_batch_equals_decode_step(model):
+    eng = model.engine
+    vocab = model.config.vocab_size
+    # five sequences at different lengths (one past the 16-token sliding window), so each row
+    # attends to its own cache; five rows also crosses the 4-row fused-kernel chunk
+    prompts = [random_ids(n, vocab, seed=n) for n in (1, 3, 7, 20, 11)]
+    solo, batch = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for p, a, b in zip(prompts, solo, batch):
+        eng.prefill(a, np.array(p))
+        eng.prefill(b, np.array(p))
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        toks = [int(t) for t in rng.integers(5, vocab, size=len(prompts))]
+        want = np.stack([eng.decode_step(s, t) for s, t in zip(solo, toks)])
+        got = eng.decode_batch(batch, toks)
+        assert got.shape == (len(prompts), vocab)
+        np.testing.assert_array_equal(got, want)
+    for a, b in zip(solo, batch):
+        assert a.tokens == b.tokens and a.length == b.length
+
+
+def _ggml(name: str, w: np.ndarray):
+    """A GGML block matrix of ``w`` (gguf-py quantizes; K-quants get random blocks of the right size)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    from gemmalite.kernels.ggml import block_info
+    from gemmalite.weights.ggml import GGMLMatrix
+
+    try:
+        raw = np.ascontiguousarray(quants.quantize(w, Q[name])).view(np.uint8)
+    except NotImplementedError:
+        bs, ts = block_info(name)
+        raw = np.random.default_rng(0).integers(0, 256, size=(w.shape[0], w.shape[1] // bs * ts), dtype=np.uint8)
+        d = np.array([0.01, 0.01], np.float16).view(np.uint8)  # small finite float16 scales
+        blocks = raw.reshape(w.shape[0], -1, ts)
+        if name == "Q6_K":  # d at the end of the block
+            blocks[..., 208:210] = d[:2]
+        else:  # d, dmin first
+            blocks[..., 0:4] = d
+    return GGMLMatrix(raw, name, w.shape)
+
+
+@pytest.mark.parametrize("cols", [256, 8192])  # 8192: the kernels' four-rows-per-task variant
+def test_matmul_each_equals_one_row_products(cols):
+    """Every weight format's batched product equals its one-row product, row by row, bit for bit."""
+    from gemmalite.weights.matrix import BF16, F32Matrix, HalfMatrix
+    from gemmalite.weights.quant import Int4Matrix, Int8Matrix
+
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal((37, cols)).astype(np.float32)
+    x = rng.standard_normal((9, cols)).astype(np.float32)
+    mats = [F32Matrix(w), HalfMatrix(w.astype(BF16)), HalfMatrix(w.astype(np.float16)), Int8Matrix.quantize(w),
+            Int4Matrix.quantize(w, 32, search=False), Int4Matrix.quantize(w, 64, search=False)]
+    if cols == 256:  # the multi-row W8A16 kernel (Q8_0), and a fused-kernel type in chunks (Q4_K)
+        mats += [_ggml(name, w) for name in ("Q8_0", "Q4_K")]
+    for m in mats:
+        np.testing.assert_array_equal(m.matmul_each(x), np.concatenate([m.matmul(r[None]) for r in x]), err_msg=repr(m))
+
+
+def test_decode_batch_context_full(gl, tiny_dir):
+    m = gl.load(tiny_dir, context=8)
+    eng = m.engine
+    s = eng.new_state()
+    eng.prefill(s, np.arange(5, 13))
+    with pytest.raises(gl.ContextError):
+        eng.decode_batch([s], [5])
