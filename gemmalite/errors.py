@@ -15,3 +15,7 @@ class ContextError(ValueError):
 
 class TokenizerError(ValueError):
     """Text was given but the checkpoint has no tokenizer, or the tokenizer files are broken."""
+
+
+class InputError(ValueError):
+    """An argument is malformed: an empty or non-string text, an unknown prompt name, a bad size."""

@@ -91,10 +91,24 @@ def text_module(model):
 
 
 @torch.no_grad()
-def randomize_eg2_weights(model, seed: int = 0, *, embed_std: float = 0.5) -> None:
+def randomize_eg2_weights(model, seed: int = 0, *, embed_std: float = 0.5, gentle: bool = False) -> None:
     """Overwrite every text-model parameter and the ``layer_scalar`` buffers with random values
-    (norm scales away from 1 so that a ``1 + w`` or missing norm is far off)."""
+    (norm scales away from 1 so that a ``1 + w`` or missing norm is far off). ``gentle``: every
+    scale in [0.8, 1.2] (post-norms [0.2, 0.4]) instead, a network about as sensitive to weight noise as a trained one
+    (for the int8 / int4 fidelity bounds; the wide ranges make a random net chaotic)."""
     g = torch.Generator().manual_seed(seed)
+    if gentle:
+        for name, t in sorted(list(text_module(model).named_parameters()) + [
+                (k, b) for k, b in text_module(model).named_buffers() if k.endswith("layer_scalar")], key=lambda kv: kv[0]):
+            if t.ndim == 1 and ".post_" in name:  # sub-block outputs: a moderate update of the residual
+                t.copy_(0.2 + 0.2 * torch.rand(t.shape, generator=g))
+            elif t.ndim == 1:
+                t.copy_(0.8 + 0.4 * torch.rand(t.shape, generator=g))
+            elif name.endswith("embed_tokens.weight"):
+                t.copy_(torch.randn(t.shape, generator=g) * embed_std)
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t.shape[1]))
+        return
     text = text_module(model)
     named = [(k, p) for k, p in text.named_parameters()]
     named += [(k, b) for k, b in text.named_buffers() if k.endswith("layer_scalar")]
@@ -121,7 +135,7 @@ TINY_VISION_CONFIG = hf_oracle.TINY_VISION_CONFIG
 TINY_AUDIO_CONFIG = hf_oracle.TINY_AUDIO_CONFIG
 
 
-def build_eg2_model(*, layout: str = "text", seed: int = 0, towers: bool = False, **overrides):
+def build_eg2_model(*, layout: str = "text", seed: int = 0, towers: bool = False, gentle: bool = False, **overrides):
     """Tiny random EmbeddingGemma 2 model (float32, eager, eval; not saved)."""
     from transformers import (EmbeddingGemma2Config, EmbeddingGemma2Model, EmbeddingGemma2TextConfig,
                               EmbeddingGemma2TextModel)
@@ -136,7 +150,7 @@ def build_eg2_model(*, layout: str = "text", seed: int = 0, towers: bool = False
     else:
         raise ValueError(f"unknown layout {layout!r}")
     model = model.float()
-    randomize_eg2_weights(model, seed)
+    randomize_eg2_weights(model, seed, gentle=gentle)
     return model.eval()
 
 
@@ -171,7 +185,7 @@ def write_eg2_tokenizer(path, kind: str = "tiny", vocab_size: int = 512, *, bos:
         hf_oracle.write_tiny_tokenizer(path, vocab_size)
         (path / "chat_template.jinja").unlink(missing_ok=True)
     elif kind == "gemma4":
-        from gemmalite.tokenizer import export_tokenizer
+        from gemmalite.tools.synth import export_tokenizer
 
         export_tokenizer(None, path)
         (path / "chat_template.jinja").unlink(missing_ok=True)
@@ -219,11 +233,12 @@ def _tokenizer_only(path: Path) -> str:
 
 def make_eg2_checkpoint(path, *, layout: str = "text", seed: int = 0, tokenizer: str | None = "tiny",
                         st: bool = True, prompts: dict[str, str] | None = STANDARD_PROMPTS, towers: bool = False,
-                        bos: bool = True, eos: bool = True, max_seq_length: int | None = None, **overrides):
+                        bos: bool = True, eos: bool = True, max_seq_length: int | None = None, gentle: bool = False,
+                        **overrides):
     """Build, save (safetensors, float32) and return the torch model of a tiny EG2 checkpoint."""
     path = Path(path)
     kw = eg2_config_kwargs(overrides)
-    model = build_eg2_model(layout=layout, seed=seed, towers=towers, **overrides)
+    model = build_eg2_model(layout=layout, seed=seed, towers=towers, gentle=gentle, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         write_eg2_tokenizer(path, tokenizer, kw["vocab_size"], bos=bos, eos=eos)

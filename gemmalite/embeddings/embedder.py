@@ -11,17 +11,16 @@ in input order, so a batch gives the same vectors as one text at a time.
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from ..errors import CheckpointError, ContextError, InputError, TokenizerError
+from ..runtime.engine import COMPUTE_LOCK
 from .st_files import PipelineConfig, read_pipeline
 
 MAX_BATCH_TOKENS = 8192  # tokens packed into one encoder pass (bounds the activations, ~40 MB at H=512)
-_LOCK = threading.Lock()  # numba's thread pool is process-wide: one encoder pass at a time
 
 
 class Embedder:
@@ -137,7 +136,7 @@ class Embedder:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
         out = np.empty((len(seqs), self.dim), dtype=np.float32)
         for batch in plan_batches([len(s) for s in seqs], int(batch_size)):
-            with _LOCK:
+            with COMPUTE_LOCK:  # numba's thread pool is process-wide: one pass at a time
                 out[batch] = self.graph.encode([seqs[i] for i in batch])
         return normalize(out, d)
 
@@ -186,8 +185,9 @@ def _check_iterable(x, what: str) -> Iterable:
 def load_embedder(path: str | Path, quant: str | None = None) -> Embedder:
     """An `Embedder` for an EmbeddingGemma 2 folder (either config layout, or a `gemmalite convert`
     output); ``quant`` "int8" / "int4" quantizes the projections on load."""
-    from ..checkpoint import check_tensors, load_folder
-    from ..loader import QUANT_KINDS, matrix_factory, table
+    from ..formats.folder import load_folder
+    from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
+    from ..models.gemma.contract import check_tensors
     from ..models.gemma.encoder import EncoderConfig, build_encoder, encoder_shapes
     from ..tokenizer import load_tokenizer_folder
 

@@ -58,10 +58,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t: tuple(t.shape)) -> None:
-    """Raise CheckpointError naming the first missing or mis-shaped tensor."""
+def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t: tuple(t.shape),
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Raise CheckpointError naming the first missing or mis-shaped tensor (of ``shapes``, default
+    the decoder's contract)."""
     problems: list[str] = []
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in (expected_shapes(cfg) if shapes is None else shapes).items():
         if name not in tensors:
             problems.append(f"missing tensor {name} (expected shape {shape})")
         elif tuple(shape_of(tensors[name])) != shape:

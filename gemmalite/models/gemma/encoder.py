@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ...checkpoint import expected_shapes
-from ...config import FULL, SLIDING, LayerSpec, ModelConfig, SUPPORTED_ACTIVATIONS, _layer_types, _req, _rope_spec
 from ...errors import ConfigError
-from ...graph import LayerWeights, PLEWeights, layer_step
-from ...kernels import attention, rms_norm, rope_tables
-from ...matrix import Matrix
+from ...kernels.ops import attention, rms_norm, rope_tables
+from ...weights.matrix import Matrix
+from .config import FULL, SLIDING, SUPPORTED_ACTIVATIONS, LayerSpec, ModelConfig, _layer_types, _req, _rope_spec
+from .contract import expected_shapes
+from .graph import LayerWeights, PLEWeights, layer_step
 
 ENCODER_TYPES = ("embedding_gemma2", "embedding_gemma2_text")
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},

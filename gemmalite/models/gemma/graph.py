@@ -130,43 +130,57 @@ class DecoderGraph:
 
     def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, state: KVState, shared, start) -> np.ndarray:
         cfg = self.cfg
-        eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
-        cos, sin = rope
-        bias = w.bias or {}
 
-        a = rms_norm(h, w.ln_in, eps)
-        q = _proj(w.q, a, bias.get("q")).reshape(T, nq, D)
-        q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
-        if spec.owns_kv:
-            kr = _proj(w.k, a, bias.get("k")).reshape(T, spec.num_kv_heads, D)
-            vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v")).reshape(T, spec.num_kv_heads, D)
-            k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
-            v = rms_norm(vr, None, eps) if cfg.v_norm else vr
-            ring = state.rings[spec.index]
-            if ring.evicts(T):  # the new queries still need entries this write would overwrite
-                pk, pv, pp = ring.view()
-                kv = (np.concatenate([pk, k]), np.concatenate([pv, v]), np.concatenate([pp, pos]))
-                ring.write(k, v, start)
+        def attend(q, k, v):
+            if spec.owns_kv:
+                ring = state.rings[spec.index]
+                if ring.evicts(len(pos)):  # the new queries still need entries this write would overwrite
+                    pk, pv, pp = ring.view()
+                    kv = (np.concatenate([pk, k]), np.concatenate([pv, v]), np.concatenate([pp, pos]))
+                    ring.write(k, v, start)
+                else:
+                    ring.write(k, v, start)
+                    kv = ring.view()
+                shared[spec.index] = kv
             else:
-                ring.write(k, v, start)
-                kv = ring.view()
-            shared[spec.index] = kv
-        else:
-            kv = shared[spec.kv_source]
-        window = cfg.sliding_window if spec.sliding else None
-        o = attention(q, kv[0], kv[1], pos, kv[2], window, cfg.attn_scale, self._blas_free)
-        h = h + rms_norm(_proj(w.o, o, bias.get("o")), w.ln_post_attn, eps)
+                kv = shared[spec.kv_source]
+            window = cfg.sliding_window if spec.sliding else None
+            return attention(q, kv[0], kv[1], pos, kv[2], window, cfg.attn_scale, self._blas_free)
 
-        m = rms_norm(h, w.ln_pre_ff, eps)
-        m = w.down.matmul(gelu_tanh_mul(w.gate.matmul(m), w.up.matmul(m)))
-        h = h + rms_norm(m, w.ln_post_ff, eps)
+        return layer_step(cfg, spec, w, h, None if ple is None else ple[:, spec.index, :], rope, attend)
 
-        if ple is not None:
-            g = gelu_tanh_mul(w.ple_gate.matmul(h), ple[:, spec.index, :])
-            h = h + rms_norm(w.ple_proj.matmul(g), w.ple_norm, eps)
-        if w.layer_scalar is not None:
-            h = h * w.layer_scalar
-        return h
+
+def layer_step(cfg: ModelConfig, spec, w: LayerWeights, h: np.ndarray, ple: np.ndarray | None,
+               rope: tuple[np.ndarray, np.ndarray], attend) -> np.ndarray:
+    """One Gemma layer on rows ``h [T, H]`` (the decoder's and the encoder's): ``ple`` this layer's
+    PLE slice ``[T, P]`` or None; ``attend(q, k, v) -> [T, nq*D]`` runs attention (and keeps a cache
+    if the caller has one), ``k``/``v`` None on KV-shared layers."""
+    eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
+    cos, sin = rope
+    bias = w.bias or {}
+
+    a = rms_norm(h, w.ln_in, eps)
+    q = _proj(w.q, a, bias.get("q")).reshape(T, nq, D)
+    q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
+    k = v = None
+    if spec.owns_kv:
+        kr = _proj(w.k, a, bias.get("k")).reshape(T, spec.num_kv_heads, D)
+        vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v")).reshape(T, spec.num_kv_heads, D)
+        k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
+        v = rms_norm(vr, None, eps) if cfg.v_norm else vr
+    o = attend(q, k, v)
+    h = h + rms_norm(_proj(w.o, o, bias.get("o")), w.ln_post_attn, eps)
+
+    m = rms_norm(h, w.ln_pre_ff, eps)
+    m = w.down.matmul(gelu_tanh_mul(w.gate.matmul(m), w.up.matmul(m)))
+    h = h + rms_norm(m, w.ln_post_ff, eps)
+
+    if ple is not None:
+        g = gelu_tanh_mul(w.ple_gate.matmul(h), ple)
+        h = h + rms_norm(w.ple_proj.matmul(g), w.ple_norm, eps)
+    if w.layer_scalar is not None:
+        h = h * w.layer_scalar
+    return h
 
 
 def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None) -> np.ndarray:
