@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import generate, tools
+from . import embed, generate, tools
 
-GROUPS = (generate, tools)  # run, chat | inspect, synth, convert, bench
+GROUPS = (generate, tools, embed)  # run, chat | inspect, synth, convert, bench | embed
 
 
 def build_parser() -> argparse.ArgumentParser:

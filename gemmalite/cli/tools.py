@@ -55,11 +55,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint of a real shape")
-    p.add_argument("--preset", choices=["tiny", "e2b", "e4b"], required=True)
+    p.add_argument("--preset", choices=["tiny", "e2b", "e4b", "eg2", "eg2-tiny"], required=True,
+                   help="Gemma 4 decoders (tiny, e2b, e4b) or EmbeddingGemma 2 encoders (eg2, eg2-tiny)")
     p.add_argument("out")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, checkpoint folder or GGUF vocabulary")
     p.add_argument("--layout", choices=["conditional", "causal"], default="conditional",
-                   help="Gemma4ForConditionalGeneration (published) or Gemma4ForCausalLM key layout")
+                   help="Gemma4ForConditionalGeneration (published) or Gemma4ForCausalLM key layout "
+                        "(eg2: EmbeddingGemma2Model or EmbeddingGemma2TextModel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_synth)

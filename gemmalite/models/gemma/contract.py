@@ -73,6 +73,8 @@ def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t
         raise CheckpointError(f"{where}: {problems[0]}{more}")
 
 
-def quantizable(cfg: ModelConfig) -> list[str]:
-    """The matrices a quantized checkpoint stores as int8 / int4: every 2-D tensor but the tables."""
-    return [n for n, shape in expected_shapes(cfg).items() if len(shape) == 2 and n not in TABLES]
+def quantizable(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """The matrices a quantized checkpoint stores as int8 / int4: every 2-D tensor but the tables
+    (of ``shapes``, default the decoder's contract)."""
+    shapes = expected_shapes(cfg) if shapes is None else shapes
+    return [n for n, shape in shapes.items() if len(shape) == 2 and n not in TABLES]
