@@ -175,6 +175,23 @@ def set_special_template(path: Path, bos: bool = True, eos: bool = True) -> None
     f.write_text(json.dumps(tj, ensure_ascii=False))
 
 
+_GEMMA4_DIR: list[Path] = []
+
+
+def gemma4_tokenizer_dir() -> Path:
+    """The real Gemma 4 tokenizer as tokenizer.json (converted from the GGUF vocabulary gemmalite
+    ships, once per process: the conversion takes a while)."""
+    if not _GEMMA4_DIR:
+        import tempfile
+
+        from gemmalite.tools.synth import export_tokenizer
+
+        d = Path(tempfile.mkdtemp(prefix="eg2-gemma4-tok-"))
+        export_tokenizer(None, d)
+        _GEMMA4_DIR.append(d)
+    return _GEMMA4_DIR[0]
+
+
 def write_eg2_tokenizer(path, kind: str = "tiny", vocab_size: int = 512, *, bos: bool = True, eos: bool = True) -> None:
     """``kind="tiny"``: hf_oracle's Gemma-style BPE (vocab ``vocab_size``); ``"gemma4"``: the real
     Gemma 4 vocabulary (262144 tokens) as gemmalite ships it. Both end up with a post-processor that
@@ -185,10 +202,10 @@ def write_eg2_tokenizer(path, kind: str = "tiny", vocab_size: int = 512, *, bos:
         hf_oracle.write_tiny_tokenizer(path, vocab_size)
         (path / "chat_template.jinja").unlink(missing_ok=True)
     elif kind == "gemma4":
-        from gemmalite.tools.synth import export_tokenizer
+        import shutil
 
-        export_tokenizer(None, path)
-        (path / "chat_template.jinja").unlink(missing_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(gemma4_tokenizer_dir() / name, path / name)
     else:
         raise ValueError(kind)
     conf = json.loads((path / "tokenizer_config.json").read_text())
@@ -210,11 +227,15 @@ def write_st_files(path, dim: int, prompts: dict[str, str] | None = STANDARD_PRO
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     path = Path(path)
-    tr = Transformer(str(path), max_seq_length=max_seq_length, model_kwargs={"attn_implementation": "eager"},
+    tr = Transformer(str(path), max_seq_length=max_seq_length, model_kwargs={"attn_implementation": "eager", "dtype": torch.float32},
                      tokenizer_name_or_path=_tokenizer_only(path))
     st = SentenceTransformer(modules=[tr, Pooling(dim, pooling_mode="mean"), Normalize()], prompts=prompts or {},
                              device="cpu")
     st.save(str(path))
+    _ST_CACHE[str(path)] = st
+
+
+_ST_CACHE: dict[str, object] = {}
 
 
 def _tokenizer_only(path: Path) -> str:
@@ -287,18 +308,21 @@ def ref_embed_ids(model, sequences, dtype=torch.float64, dimensions: int | None 
     return np.stack(out)
 
 
-def st_model(path):
-    """The saved sentence-transformers pipeline (modules.json, prompts), float32, eager."""
+def st_model(path, *, cached: bool = False):
+    """The saved sentence-transformers pipeline (modules.json, prompts), float32, eager. ``cached``:
+    the one `write_st_files` built before saving it (loading a 262144-token tokenizer is slow)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
+    if cached and str(path) in _ST_CACHE:
+        return _ST_CACHE[str(path)]
     path = Path(path)
     if json.loads((path / "config.json").read_text()).get("model_type") == "embedding_gemma2_text":
-        return SentenceTransformer(str(path), device="cpu", model_kwargs={"attn_implementation": "eager"})
+        return SentenceTransformer(str(path), device="cpu", model_kwargs={"attn_implementation": "eager", "dtype": torch.float32})
     conf = json.loads((path / "config_sentence_transformers.json").read_text())
     modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((path / "modules.json").read_text())]
     assert modules == ["Transformer", "Pooling", "Normalize"], modules
-    tr = Transformer(str(path), model_kwargs={"attn_implementation": "eager"}, tokenizer_name_or_path=_tokenizer_only(path))
+    tr = Transformer(str(path), model_kwargs={"attn_implementation": "eager", "dtype": torch.float32}, tokenizer_name_or_path=_tokenizer_only(path))
     pool = Pooling.load(str(path / "1_Pooling"))
     return SentenceTransformer(modules=[tr, pool, Normalize()], prompts=conf.get("prompts"), device="cpu")
 
