@@ -43,10 +43,28 @@ def cmd_bench(a: argparse.Namespace) -> int:
             pass
     from ..tools.bench import bench, format_table
 
+    if _is_encoder_folder(a.model):  # EmbeddingGemma 2: query latency and documents/s instead
+        from ..tools.bench_embed import bench_embedder, format_embed_table
+
+        r = bench_embedder(a.model, quant=a.quant, runs=a.runs)
+        print(json.dumps(r) if a.json else format_embed_table(r))
+        return 0
     r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
               context=a.context, progress=not a.json)
     print(json.dumps(r) if a.json else format_table(r))
     return 0
+
+
+def _is_encoder_folder(path: str) -> bool:
+    from pathlib import Path
+
+    from ..models.gemma.encoder import is_encoder_config
+
+    cfg = Path(path) / "config.json"
+    try:
+        return cfg.is_file() and is_encoder_config(json.loads(cfg.read_text()))
+    except ValueError:
+        return False
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +91,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory")
+    p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory (embedders: query ms, texts/s)")
     p.add_argument("model")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
