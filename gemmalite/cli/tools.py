@@ -15,7 +15,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
-    from ..tools.synth import synth
+    if a.preset.startswith("eg2"):  # EmbeddingGemma 2 encoders
+        from ..tools.synth_eg2 import synth_eg2 as synth
+    else:
+        from ..tools.synth import synth
 
     out = synth(a.preset, a.out, tokenizer=a.tokenizer, layout=a.layout, seed=a.seed, progress=not a.quiet)
     print(f"wrote {a.preset} checkpoint to {out}")

@@ -90,11 +90,7 @@ def _tensor_bytes(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
 
 def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
           seed: int = 0, progress: bool = True) -> Path:
-    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b; eg2, eg2-tiny)."""
-    if preset.startswith("eg2"):  # EmbeddingGemma 2 encoders
-        from .synth_eg2 import synth_eg2
-
-        return synth_eg2(preset, out, tokenizer=tokenizer, layout=layout, seed=seed, progress=progress)
+    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     text = text_config(preset)

@@ -361,9 +361,9 @@ def test_cli_embed(text_ckpt, tmp_path, capsys):
 def test_synth_eg2_tiny_loads_in_transformers(tmp_path):
     """`synth --preset eg2-tiny` (bf16, real tokenizer, prompts) is a checkpoint transformers and
     sentence-transformers read, and gemmalite computes what they compute."""
-    from gemmalite.tools.synth import synth
+    from gemmalite.tools.synth_eg2 import synth_eg2
 
-    path = synth("eg2-tiny", tmp_path / "s", tokenizer=o.gemma4_tokenizer_dir() / "tokenizer.json", progress=False)
+    path = synth_eg2("eg2-tiny", tmp_path / "s", tokenizer=o.gemma4_tokenizer_dir() / "tokenizer.json", progress=False)
     st = o.st_model(path)
     model = st[0].model  # transformers' float32 eager load of the folder
     emb = load_embedder(path)
