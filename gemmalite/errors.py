@@ -20,3 +20,7 @@ class TokenizerError(ValueError):
 class ImageError(ValueError):
     """An image cannot be used: not an image, truncated or corrupt, empty or 1x1, too many pixels,
     or a mode / array layout with no RGB conversion."""
+
+
+class InputError(ValueError):
+    """An argument is malformed: an empty or non-string text, an unknown prompt name, a bad size."""

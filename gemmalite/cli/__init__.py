@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import generate, serve, tools
+from . import embed, generate, serve, tools
 
-GROUPS = (generate, tools, serve)  # run, chat | inspect, synth, convert, bench | serve
+GROUPS = (generate, tools, embed, serve)  # run, chat | inspect, synth, convert, bench | embed | serve
 
 
 def build_parser() -> argparse.ArgumentParser:

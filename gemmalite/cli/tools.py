@@ -15,7 +15,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
-    from ..tools.synth import synth
+    if a.preset.startswith("eg2"):  # EmbeddingGemma 2 encoders
+        from ..tools.synth_eg2 import synth_eg2 as synth
+    else:
+        from ..tools.synth import synth
 
     out = synth(a.preset, a.out, tokenizer=a.tokenizer, layout=a.layout, seed=a.seed, progress=not a.quiet)
     print(f"wrote {a.preset} checkpoint to {out}")
@@ -43,10 +46,28 @@ def cmd_bench(a: argparse.Namespace) -> int:
             pass
     from ..tools.bench import bench, format_table
 
+    if _is_encoder_folder(a.model):  # EmbeddingGemma 2: query latency and documents/s instead
+        from ..tools.bench_embed import bench_embedder, format_embed_table
+
+        r = bench_embedder(a.model, quant=a.quant, runs=a.runs)
+        print(json.dumps(r) if a.json else format_embed_table(r))
+        return 0
     r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
               context=a.context, progress=not a.json)
     print(json.dumps(r) if a.json else format_table(r))
     return 0
+
+
+def _is_encoder_folder(path: str) -> bool:
+    from pathlib import Path
+
+    from ..models.gemma.encoder import is_encoder_config
+
+    cfg = Path(path) / "config.json"
+    try:
+        return cfg.is_file() and is_encoder_config(json.loads(cfg.read_text()))
+    except ValueError:
+        return False
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -55,11 +76,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint of a real shape")
-    p.add_argument("--preset", choices=["tiny", "e2b", "e4b"], required=True)
+    p.add_argument("--preset", choices=["tiny", "e2b", "e4b", "eg2", "eg2-tiny"], required=True,
+                   help="Gemma 4 decoders (tiny, e2b, e4b) or EmbeddingGemma 2 encoders (eg2, eg2-tiny)")
     p.add_argument("out")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, checkpoint folder or GGUF vocabulary")
     p.add_argument("--layout", choices=["conditional", "causal"], default="conditional",
-                   help="Gemma4ForConditionalGeneration (published) or Gemma4ForCausalLM key layout")
+                   help="Gemma4ForConditionalGeneration (published) or Gemma4ForCausalLM key layout "
+                        "(eg2: EmbeddingGemma2Model or EmbeddingGemma2TextModel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_synth)
@@ -71,7 +94,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory")
+    p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory (embedders: query ms, texts/s)")
     p.add_argument("model")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -44,14 +44,16 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-def load_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """Config and text tensors (prefix stripped, memory-mapped) of a checkpoint folder."""
+def load_folder(folder: str | Path, parse: Callable[[dict], ModelConfig] = ModelConfig.from_hf,
+                ) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
+    """Config (read by ``parse``: the decoder's, or the encoder's) and text tensors (prefix
+    stripped, memory-mapped) of a checkpoint folder."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
     raw = read_config(folder)
     try:
-        cfg = ModelConfig.from_hf(raw)
+        cfg = parse(raw)
     except ConfigError as e:
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     return cfg, strip_prefix(read_tensors(folder, raw)), raw

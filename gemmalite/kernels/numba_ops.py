@@ -66,12 +66,12 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out):  # pragma: no cover - compiled
+def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=True):  # pragma: no cover - compiled
     """Attention without BLAS (decode rows, moderate prefills): one task per (row, query head).
 
-    Same math as kernels.attention (scores * scale, finite mask, max-subtracted softmax,
-    weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's worker
-    threads asleep, so they never spin against numba's."""
+    Same math and mask as kernels.attention (scores * scale, finite mask, max-subtracted
+    softmax, weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's
+    worker threads asleep, so they never spin against numba's."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv
@@ -84,7 +84,8 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out):  # pragma
         best = masked
         for j in range(N):
             kp = k_pos[j]
-            if kp < 0 or kp > qp or (window > 0 and kp <= qp - window):
+            if kp < 0 or (causal and (kp > qp or (window > 0 and kp <= qp - window))) \
+                    or (not causal and window > 0 and abs(kp - qp) > window):
                 s[j] = masked
             else:
                 acc = np.float32(0.0)

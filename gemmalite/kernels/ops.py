@@ -76,11 +76,13 @@ def attention(
     window: int | None,
     scale: float,
     blas_free: bool = True,
+    causal: bool = True,
 ) -> np.ndarray:
-    """Causal (optionally sliding-window) GQA attention by absolute positions.
+    """GQA attention by absolute positions, causal (decoder) or bidirectional (encoder).
 
-    q ``[T, nq, D]``; k, v ``[N, kv, D]``; key ``j`` is visible to query ``i`` iff
-    ``0 <= pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window``. Returns ``[T, nq*D]``.
+    q ``[T, nq, D]``; k, v ``[N, kv, D]``; key ``j`` is visible to query ``i`` iff ``pos_j >= 0``
+    and, causal, ``pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window`` (a width), or,
+    bidirectional, (sliding) ``|pos_j - pos_i| <= window`` (an inclusive radius). Returns ``[T, nq*D]``.
     KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
     ``blas_free``: the caller's products make no BLAS call, so moderate prefills run in numba
     too (see NUMBA_SCORES_MAX); decode rows always do.
@@ -89,7 +91,7 @@ def attention(
     if T <= common.FEW_ROWS or (blas_free and T * k.shape[0] <= NUMBA_SCORES_MAX):
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_rows(np.ascontiguousarray(q, dtype=np.float32), k, v, q_pos, k_pos,
-                       window or 0, np.float32(scale), MASKED, out)
+                       window or 0, np.float32(scale), MASKED, out, causal)
         return out
     kv = k.shape[1]
     g = nq // kv
@@ -104,9 +106,10 @@ def attention(
         if scale != 1.0:
             scores *= np.float32(scale)
         qp = q_pos[t0 : t0 + tb, None]
-        allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= qp)
+        kp = k_pos[None, :]
+        allowed = (kp >= 0) & (kp <= qp) if causal else np.broadcast_to(kp >= 0, (tb, kp.shape[1]))
         if window is not None:
-            allowed &= k_pos[None, :] > qp - window
+            allowed = allowed & ((kp > qp - window) if causal else (np.abs(kp - qp) <= window))
         if not allowed.all():
             scores = np.where(allowed[None, :, None, :], scores, MASKED)
         scores -= scores.max(axis=-1, keepdims=True)

@@ -17,16 +17,21 @@ from tqdm import tqdm
 
 from ..errors import CheckpointError
 from ..formats.converted import QUANT_METHOD, format_name
-from ..formats.folder import load_folder, read_tensors
+from ..formats.folder import load_folder, read_config, read_tensors
 from ..formats.safetensors import save_arrays
+from ..models.gemma.config import ModelConfig
 from ..models.gemma.contract import check_tensors, expected_shapes, quantizable
+from ..models.gemma.encoder import EncoderConfig, encoder_shapes, is_encoder_config
 from ..weights.matrix import Matrix
 from ..vision.tower import vision_tensors
 from ..weights.quant import quantize
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
               "special_tokens_map.json", "generation_config.json", "tokenizer.model", "processor_config.json",
-              "preprocessor_config.json")
+              "preprocessor_config.json",
+              # sentence-transformers pipeline of an embedding model
+              "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
+              "1_Pooling/config.json", "2_Normalize/config.json")
 
 
 def _dense(t: Any) -> np.ndarray:
@@ -39,13 +44,15 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
         raise ValueError(f"quant must be int8 or int4, got {quant!r}")
     if not src.is_dir():
         raise CheckpointError(f"{src}: convert takes a Hugging Face checkpoint folder")
-    cfg, tensors, raw = load_folder(src)
+    encoder = is_encoder_config(read_config(src))  # EmbeddingGemma 2: the encoder's config and contract
+    cfg, tensors, raw = load_folder(src, parse=EncoderConfig.from_hf if encoder else ModelConfig.from_hf)
     if isinstance(raw.get("quantization_config"), dict):
         raise CheckpointError(f"{src} is already quantized ({raw['quantization_config'].get('quant_method')})")
-    check_tensors(cfg, tensors, str(src))
-    names = list(expected_shapes(cfg))
-    jobs = quantizable(cfg)
-    if cfg.tie_word_embeddings:
+    shapes = encoder_shapes(cfg) if encoder else expected_shapes(cfg)
+    check_tensors(cfg, tensors, str(src), shapes=shapes)
+    names = list(shapes)
+    jobs = quantizable(cfg, shapes)
+    if cfg.tie_word_embeddings and not encoder:
         jobs.append("lm_head.weight")
     arrays: dict[str, np.ndarray] = {}
     formats: dict[str, str] = {}
@@ -74,5 +81,6 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in SIDE_FILES:
         if (src / f).exists():
+            (out / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / f, out / f)
     return out

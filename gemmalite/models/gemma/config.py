@@ -107,6 +107,9 @@ class ModelConfig:
         if not isinstance(text, dict):
             raise ConfigError(f"config of model_type {model_type!r} has no text_config")
         text_type = text.get("model_type") or (model_type + "_text")
+        if model_type.startswith("embedding_gemma2"):
+            raise ConfigError(f"model_type {model_type!r} is an EmbeddingGemma 2 encoder: load it with "
+                              "gemmalite.load_embedder (or `gemmalite embed`)")
         if text_type not in ("gemma4_text", "gemma3_text"):
             raise ConfigError(
                 f"unsupported model_type {model_type or '(missing)'!r}: gemmalite runs gemma4, gemma4_text, gemma3, gemma3_text"

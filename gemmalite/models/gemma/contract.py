@@ -58,10 +58,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t: tuple(t.shape)) -> None:
-    """Raise CheckpointError naming the first missing or mis-shaped tensor."""
+def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t: tuple(t.shape),
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Raise CheckpointError naming the first missing or mis-shaped tensor (of ``shapes``, default
+    the decoder's contract)."""
     problems: list[str] = []
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in (expected_shapes(cfg) if shapes is None else shapes).items():
         if name not in tensors:
             problems.append(f"missing tensor {name} (expected shape {shape})")
         elif tuple(shape_of(tensors[name])) != shape:
@@ -71,6 +73,8 @@ def check_tensors(cfg: ModelConfig, tensors: dict, where: str, shape_of=lambda t
         raise CheckpointError(f"{where}: {problems[0]}{more}")
 
 
-def quantizable(cfg: ModelConfig) -> list[str]:
-    """The matrices a quantized checkpoint stores as int8 / int4: every 2-D tensor but the tables."""
-    return [n for n, shape in expected_shapes(cfg).items() if len(shape) == 2 and n not in TABLES]
+def quantizable(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """The matrices a quantized checkpoint stores as int8 / int4: every 2-D tensor but the tables
+    (of ``shapes``, default the decoder's contract)."""
+    shapes = expected_shapes(cfg) if shapes is None else shapes
+    return [n for n, shape in shapes.items() if len(shape) == 2 and n not in TABLES]

@@ -153,39 +153,55 @@ class DecoderGraph:
         """One decoder layer over the rows of ``h``; each group's rows attend to its own state.
         ``each``: rows are independent sequences (`forward_batch`)."""
         cfg = self.cfg
-        eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
-        cos, sin = rope
-        bias = w.bias or {}
-
-        a = rms_norm(h, w.ln_in, eps)
-        q = _proj(w.q, a, bias.get("q"), each).reshape(T, nq, D)
-        q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
-        if spec.owns_kv:
-            kr = _proj(w.k, a, bias.get("k"), each).reshape(T, spec.num_kv_heads, D)
-            vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v"), each).reshape(T, spec.num_kv_heads, D)
-            k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
-            v = rms_norm(vr, None, eps) if cfg.v_norm else vr
         window = cfg.sliding_window if spec.sliding else None
-        outs = []
-        for g in groups:
-            if spec.owns_kv:
-                g.shared[spec.index] = kv = _write_kv(g.state.rings[spec.index], k[g.rows], v[g.rows], pos[g.rows], g.start)
-            else:
-                kv = g.shared[spec.kv_source]
-            outs.append(attention(q[g.rows], kv[0], kv[1], pos[g.rows], kv[2], window, cfg.attn_scale, self._blas_free))
-        o = outs[0] if len(outs) == 1 else np.concatenate(outs)
-        h = h + rms_norm(_proj(w.o, o, bias.get("o"), each), w.ln_post_attn, eps)
 
-        m = rms_norm(h, w.ln_pre_ff, eps)
-        m = _mm(w.down, gelu_tanh_mul(_mm(w.gate, m, each), _mm(w.up, m, each)), each)
-        h = h + rms_norm(m, w.ln_post_ff, eps)
+        def attend(q, k, v):
+            outs = []
+            for g in groups:
+                if spec.owns_kv:
+                    kv = _write_kv(g.state.rings[spec.index], k[g.rows], v[g.rows], pos[g.rows], g.start)
+                    g.shared[spec.index] = kv
+                else:
+                    kv = g.shared[spec.kv_source]
+                outs.append(attention(q[g.rows], kv[0], kv[1], pos[g.rows], kv[2], window, cfg.attn_scale,
+                                      self._blas_free))
+            return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-        if ple is not None:
-            g = gelu_tanh_mul(_mm(w.ple_gate, h, each), ple[:, spec.index, :])
-            h = h + rms_norm(_mm(w.ple_proj, g, each), w.ple_norm, eps)
-        if w.layer_scalar is not None:
-            h = h * w.layer_scalar
-        return h
+        return layer_step(cfg, spec, w, h, None if ple is None else ple[:, spec.index, :], rope, attend, each)
+
+
+def layer_step(cfg: ModelConfig, spec, w: LayerWeights, h: np.ndarray, ple: np.ndarray | None,
+               rope: tuple[np.ndarray, np.ndarray], attend, each: bool = False) -> np.ndarray:
+    """One Gemma layer on rows ``h [T, H]`` (the decoder's and the encoder's): ``ple`` this layer's
+    PLE slice ``[T, P]`` or None; ``attend(q, k, v) -> [T, nq*D]`` runs attention (and keeps a cache
+    if the caller has one), ``k``/``v`` None on KV-shared layers. ``each``: the rows are independent
+    sequences, each product row computed exactly as alone (`Matrix.matmul_each`)."""
+    eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
+    cos, sin = rope
+    bias = w.bias or {}
+
+    a = rms_norm(h, w.ln_in, eps)
+    q = _proj(w.q, a, bias.get("q"), each).reshape(T, nq, D)
+    q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
+    k = v = None
+    if spec.owns_kv:
+        kr = _proj(w.k, a, bias.get("k"), each).reshape(T, spec.num_kv_heads, D)
+        vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v"), each).reshape(T, spec.num_kv_heads, D)
+        k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
+        v = rms_norm(vr, None, eps) if cfg.v_norm else vr
+    o = attend(q, k, v)
+    h = h + rms_norm(_proj(w.o, o, bias.get("o"), each), w.ln_post_attn, eps)
+
+    m = rms_norm(h, w.ln_pre_ff, eps)
+    m = _mm(w.down, gelu_tanh_mul(_mm(w.gate, m, each), _mm(w.up, m, each)), each)
+    h = h + rms_norm(m, w.ln_post_ff, eps)
+
+    if ple is not None:
+        g = gelu_tanh_mul(_mm(w.ple_gate, h, each), ple)
+        h = h + rms_norm(_mm(w.ple_proj, g, each), w.ple_norm, eps)
+    if w.layer_scalar is not None:
+        h = h * w.layer_scalar
+    return h
 
 
 @dataclass

@@ -1,0 +1,226 @@
+"""`Embedder`: texts in, unit-length sentence embeddings out, as sentence-transformers computes them.
+
+Pipeline (the checkpoint's sentence-transformers files, `st_files`): the task prompt is
+prepended to the text, the checkpoint's tokenizer adds its special tokens (EmbeddingGemma 2:
+``<bos> … <eos>``, from its post-processor, exactly as transformers' tokenizer call does), the
+encoder runs, the token outputs are averaged and L2-normalised; a Matryoshka ``dimensions``
+cut is re-normalised.
+
+Batches are sorted by length and packed (`EncoderGraph` computes no padding), then put back
+in input order, so a batch gives the same vectors as one text at a time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import CheckpointError, ContextError, InputError, TokenizerError
+from ..runtime.engine import COMPUTE_LOCK
+from .st_files import PipelineConfig, read_pipeline
+
+MAX_BATCH_TOKENS = 8192  # tokens packed into one encoder pass (bounds the activations, ~40 MB at H=512)
+
+
+class Embedder:
+    """An EmbeddingGemma 2 text embedder. Thread-safe; build it with `load_embedder`."""
+
+    def __init__(self, graph, tokenizer, pipeline: PipelineConfig, max_length: int, source: str = ""):
+        self.graph = graph
+        self.cfg = graph.cfg
+        self.tokenizer = tokenizer  # gemmalite Tokenizer or None (ids only)
+        self.pipeline = pipeline
+        self.max_length = max_length
+        self.source = source
+        self._truncating = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dim(self) -> int:
+        """Size of the full embedding (before any Matryoshka cut)."""
+        return self.cfg.embedding_dim
+
+    @property
+    def prompts(self) -> dict[str, str]:
+        return dict(self.pipeline.prompts)
+
+    # ------------------------------------------------------------------ public API
+    def embed(self, texts: str | Sequence[str], *, prompt_name: str | None = None, prompt: str | None = None,
+              dimensions: int | None = None, batch_size: int = 32, truncate: bool = False) -> np.ndarray:
+        """float32 ``[n, dimensions or dim]`` unit rows, in the order of ``texts`` (a single string counts as one).
+
+        ``prompt_name``: a task prompt of the checkpoint's table (`prompts`); ``prompt``: a literal
+        prefix instead. Neither: the checkpoint's default prompt, if any. A text longer than
+        `max_length` tokens raises `ContextError` naming it, unless ``truncate`` (then it keeps its
+        first tokens and the special tokens, as sentence-transformers truncates).
+        """
+        texts = [texts] if isinstance(texts, str) else list(_check_iterable(texts, "texts"))
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise InputError(f"texts[{i}] is a {type(t).__name__}, not a string")
+            if not t:
+                raise InputError(f"texts[{i}] is an empty string")
+        ids = self.tokenize(texts, prompt=self.resolve_prompt(prompt_name, prompt), truncate=truncate)
+        return self._embed(ids, dimensions, batch_size)
+
+    def embed_ids(self, sequences: Sequence[Sequence[int]], *, dimensions: int | None = None,
+                  batch_size: int = 32) -> np.ndarray:
+        """Like `embed` for token-id sequences, taken exactly as given (no special tokens added)."""
+        seqs = []
+        for i, s in enumerate(_check_iterable(sequences, "sequences")):
+            a = np.asarray(s)
+            if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+                raise InputError(f"sequences[{i}] must be a non-empty sequence of token ids")
+            if a.min() < 0 or a.max() >= self.cfg.vocab_size:
+                raise InputError(f"sequences[{i}] has token ids outside [0, {self.cfg.vocab_size})")
+            if a.size > self.cfg.max_position_embeddings:
+                raise ContextError(f"sequences[{i}] has {a.size} tokens, more than the model's maximum "
+                                   f"{self.cfg.max_position_embeddings}")
+            seqs.append(a.astype(np.int64))
+        return self._embed(seqs, dimensions, batch_size)
+
+    @staticmethod
+    def similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Cosine similarities ``[len(a), len(b)]`` (1-D inputs count as one row)."""
+        a, b = np.atleast_2d(np.asarray(a, np.float32)), np.atleast_2d(np.asarray(b, np.float32))
+        if a.shape[1] != b.shape[1]:
+            raise InputError(f"cannot compare vectors of {a.shape[1]} and {b.shape[1]} dimensions")
+        a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+        b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+        return a @ b.T
+
+    def resolve_prompt(self, prompt_name: str | None, prompt: str | None) -> str:
+        """The prefix for a call: a literal ``prompt``, a named one, or the checkpoint's default."""
+        if prompt is not None and prompt_name is not None:
+            raise InputError("give prompt_name or prompt, not both")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InputError(f"prompt must be a string, not {type(prompt).__name__}")
+            return prompt
+        name = prompt_name if prompt_name is not None else self.pipeline.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.pipeline.prompts:
+            known = ", ".join(sorted(self.pipeline.prompts)) or "none"
+            raise InputError(f"unknown prompt name {name!r} (this model has: {known})")
+        return self.pipeline.prompts[name]
+
+    def tokenize(self, texts: Sequence[str], *, prompt: str = "", truncate: bool = False) -> list[np.ndarray]:
+        """Token ids exactly as the reference pipeline builds them: ``tokenizer(prompt + text)``."""
+        if self.tokenizer is None:
+            raise TokenizerError(f"{self.source}: this checkpoint has no tokenizer; use embed_ids")
+        full = [prompt + t for t in texts]
+        tk = self._truncating_tokenizer() if truncate else self.tokenizer.tk
+        out = [np.asarray(e.ids, dtype=np.int64) for e in tk.encode_batch(full, add_special_tokens=True)]
+        if not truncate:
+            for i, ids in enumerate(out):
+                if len(ids) > self.max_length:
+                    raise ContextError(f"texts[{i}] is {len(ids)} tokens long, more than the model's {self.max_length}"
+                                       " (pass truncate=True to cut it)")
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _truncating_tokenizer(self):
+        if self._truncating is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            tk = HFTokenizer.from_str(self.tokenizer.tk.to_str())
+            tk.enable_truncation(self.max_length)  # counts the post-processor's special tokens, like transformers
+            self._truncating = tk
+        return self._truncating
+
+    def _embed(self, seqs: list[np.ndarray], dimensions: int | None, batch_size: int) -> np.ndarray:
+        d = self._dimensions(dimensions)
+        if int(batch_size) < 1:
+            raise InputError(f"batch_size must be at least 1, got {batch_size}")
+        out = np.empty((len(seqs), self.dim), dtype=np.float32)
+        for batch in plan_batches([len(s) for s in seqs], int(batch_size)):
+            with COMPUTE_LOCK:  # numba's thread pool is process-wide: one pass at a time
+                out[batch] = self.graph.encode([seqs[i] for i in batch])
+        return normalize(out, d)
+
+    def _dimensions(self, dimensions: int | None) -> int:
+        if dimensions is None:
+            dimensions = self.pipeline.truncate_dim or self.dim
+        if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or not 1 <= dimensions <= self.dim:
+            raise InputError(f"dimensions must be an integer from 1 to {self.dim}, got {dimensions!r}")
+        return int(dimensions)
+
+
+def normalize(v: np.ndarray, dimensions: int | None = None) -> np.ndarray:
+    """L2-normalise rows, then (Matryoshka) keep the first ``dimensions`` and re-normalise."""
+    v = np.asarray(v, dtype=np.float64)
+    v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-30)
+    if dimensions is not None and dimensions < v.shape[1]:
+        v = v[:, :dimensions]
+        v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-30)
+    return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_BATCH_TOKENS) -> list[list[int]]:
+    """Indices grouped for packed passes: longest first, at most ``batch_size`` texts and
+    ``max_tokens`` tokens per pass (a longer text goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    tokens = 0
+    for i in order:
+        if cur and (len(cur) >= batch_size or tokens + lengths[i] > max_tokens):
+            batches.append(cur)
+            cur, tokens = [], 0
+        cur.append(i)
+        tokens += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _check_iterable(x, what: str) -> Iterable:
+    if isinstance(x, (bytes, dict)) or not hasattr(x, "__iter__"):
+        raise InputError(f"{what} must be a string or a list of strings, not {type(x).__name__}")
+    return x
+
+
+def load_embedder(path: str | Path, quant: str | None = None) -> Embedder:
+    """An `Embedder` for an EmbeddingGemma 2 folder (either config layout, or a `gemmalite convert`
+    output); ``quant`` "int8" / "int4" quantizes the projections on load."""
+    from ..formats.folder import load_folder
+    from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
+    from ..models.gemma.contract import check_tensors
+    from ..models.gemma.encoder import EncoderConfig, build_encoder, encoder_shapes
+    from ..tokenizer import load_tokenizer_folder
+
+    if quant not in QUANT_KINDS:
+        raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a checkpoint folder")
+    cfg, tensors, _ = load_folder(p, parse=EncoderConfig.from_hf)
+    shapes = encoder_shapes(cfg)
+    check_tensors(cfg, tensors, str(p), shapes=shapes)
+    graph = build_encoder(cfg, tensors, matrix_factory(quant), table)
+    pipeline = read_pipeline(p)
+    if pipeline.truncate_dim is not None and not 1 <= pipeline.truncate_dim <= cfg.embedding_dim:
+        raise CheckpointError(f"{p}: truncate_dim {pipeline.truncate_dim} is not within 1..{cfg.embedding_dim}")
+    tokenizer = load_tokenizer_folder(p)
+    return Embedder(graph, tokenizer, pipeline, _max_length(p, cfg, pipeline), str(p))
+
+
+def _max_length(folder: Path, cfg, pipeline: PipelineConfig) -> int:
+    """sentence-transformers' ``max_seq_length``: its own setting, else the tokenizer's
+    ``model_max_length`` capped at the model's ``max_position_embeddings``."""
+    import json
+
+    n = cfg.max_position_embeddings
+    if pipeline.max_seq_length is not None:
+        return min(pipeline.max_seq_length, n)
+    conf = folder / "tokenizer_config.json"
+    if conf.exists():
+        try:
+            m = json.loads(conf.read_text()).get("model_max_length")
+        except ValueError:
+            m = None
+        if isinstance(m, (int, float)) and 0 < m < n:
+            return int(m)
+    return n

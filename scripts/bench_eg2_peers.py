@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""EmbeddingGemma 2 side by side: gemmalite (float, int8) vs transformers (float32 CPU) [vs egemma2].
+
+The workload of issue 11 on one checkpoint folder (e.g. ``gemmalite synth --preset eg2 OUT``):
+the latency of one short query and texts/s for 32 documents of 512 tokens, plus peak RSS.
+Each engine runs in its own process with ``--threads`` threads, rounds interleaved; the table
+gives medians over the rounds.
+
+    python scripts/bench_eg2_peers.py MODEL [--rounds 3] [--threads 2] [--json]
+
+egemma2 (``pip install egemma2``) is tried through its Python client; it reads the whole
+multimodal checkpoint (``processor_config.json``, tower weights), so a text-only folder makes
+it fail, which the table reports.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+QUERY = "which planet is known as the red planet?"
+PROMPT = "task: search result | query: "
+
+_WORKERS = {
+    "gemmalite": """
+import json, sys
+from gemmalite.tools.bench_embed import bench_embedder
+r = bench_embedder(sys.argv[1], quant=None if sys.argv[2] == "none" else sys.argv[2], runs=1)
+print(json.dumps({k: r[k] for k in ("load_s", "query_ms", "docs_texts_s", "peak_rss_bytes")}))
+""",
+    "transformers": """
+import json, resource, sys, time, statistics
+import numpy as np, torch
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+torch.set_num_threads(int(sys.argv[3]))
+t0 = time.perf_counter()
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModel.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+load = time.perf_counter() - t0
+def embed(ids):
+    x = torch.tensor(ids)
+    with torch.no_grad():
+        h = model(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state.mean(1)
+    return torch.nn.functional.normalize(h, dim=-1)
+q = tok([sys.argv[4] + sys.argv[5]])["input_ids"]
+embed(q); ts = []
+for _ in range(10):
+    t = time.perf_counter(); embed(q); ts.append(time.perf_counter() - t)
+rng = np.random.default_rng(0)
+docs = [[2, *rng.integers(1000, 262144, 510).tolist(), 1] for _ in range(32)]
+embed(docs[:2]); t = time.perf_counter()
+for i in range(0, 32, 8):
+    embed(docs[i:i + 8])
+d = time.perf_counter() - t
+print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": 32 / d,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+""",
+    "egemma2": """
+import json, resource, sys, time, statistics
+from egemma2 import Egemma2
+t0 = time.perf_counter()
+with Egemma2(model_dir=sys.argv[1], device="cpu") as m:
+    load = time.perf_counter() - t0
+    m.embed(sys.argv[5], prompt_name="SearchQuery"); ts = []
+    for _ in range(10):
+        t = time.perf_counter(); m.embed(sys.argv[5], prompt_name="SearchQuery"); ts.append(time.perf_counter() - t)
+    docs = [" ".join(["word"] * 510) for _ in range(32)]
+    t = time.perf_counter(); m.embed(docs); d = time.perf_counter() - t
+print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": 32 / d,
+                  "peak_rss_bytes": None}))
+""",
+}
+
+
+def run(engine: str, model: str, quant: str, threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads),
+               OPENBLAS_NUM_THREADS=str(threads), EGEMMA2_THREADS=str(threads))
+    p = subprocess.run([sys.executable, "-c", _WORKERS[engine], model, quant, str(threads), PROMPT, QUERY],
+                       capture_output=True, text=True, env=env)
+    if p.returncode:
+        return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    engines = [("gemmalite", "none"), ("gemmalite", "int8"), ("transformers", "none"), ("egemma2", "none")]
+    results: dict[str, list[dict]] = {f"{e}/{q}": [] for e, q in engines}
+    for _ in range(a.rounds):
+        for e, q in engines:
+            results[f"{e}/{q}"].append(run(e, a.model, q, a.threads))
+    table = {}
+    for name, rs in results.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            table[name] = {"error": rs[0]["error"]}
+            continue
+        table[name] = {k: statistics.median(r[k] for r in ok) if ok[0][k] is not None else None
+                       for k in ("load_s", "query_ms", "docs_texts_s", "peak_rss_bytes")}
+    if a.json:
+        print(json.dumps(table))
+        return 0
+    print(f"{'engine':24s} {'load s':>8s} {'query ms':>10s} {'docs texts/s':>13s} {'peak RSS GiB':>13s}")
+    for name, r in table.items():
+        if "error" in r:
+            print(f"{name:24s} error: {r['error']}")
+            continue
+        rss = f"{r['peak_rss_bytes'] / 2**30:.2f}" if r["peak_rss_bytes"] else "-"
+        print(f"{name:24s} {r['load_s']:8.2f} {r['query_ms']:10.1f} {r['docs_texts_s']:13.3f} {rss:>13s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
