@@ -5,12 +5,12 @@ import os
 # numba kernel threads for the same cores: measured on E2B int8, decode 3.9 -> 6.9 tok/s and
 # prefill 40 -> 86 tok/s with a short timeout. Effective when gemmalite is imported before numpy.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-from .errors import CheckpointError, ConfigError, ContextError, TokenizerError  # noqa: E402
+from .errors import CheckpointError, ConfigError, ContextError, InputError, NumericalError, TokenizerError  # noqa: E402
 from .loader import load, load_tokenizer  # noqa: E402
 from .model import ChatSession, Model  # noqa: E402
 from .runtime.generate import GenerationStats, Stream  # noqa: E402
 from .tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["load", "load_tokenizer", "Model", "ChatSession", "Stream", "GenerationStats", "Tokenizer",
-           "CheckpointError", "ConfigError", "ContextError", "TokenizerError"]
+           "CheckpointError", "ConfigError", "ContextError", "InputError", "NumericalError", "TokenizerError"]
 __version__ = "0.1.0"

@@ -15,3 +15,11 @@ class ContextError(ValueError):
 
 class TokenizerError(ValueError):
     """Text was given but the checkpoint has no tokenizer, or the tokenizer files are broken."""
+
+
+class InputError(ValueError):
+    """An argument of an API call has the wrong type or lies outside its range (checked before any work)."""
+
+
+class NumericalError(ValueError):
+    """The computation produced non-finite values (NaN / inf logits): the weights are broken."""
