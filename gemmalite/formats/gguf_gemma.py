@@ -2,14 +2,15 @@
 and a Hugging Face text config, so GGUF models load through the same tensor contract as folders."""
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..models.gemma.config import ModelConfig
+from ..errors import ConfigError, TokenizerError
+from ..models.gemma.config import MAX_LAYERS, ModelConfig
 from ..models.gemma.contract import expected_shapes
 from ..weights.matrix import Matrix
 from .gguf import GGUFError, GGUFFile, TensorInfo, read_gguf
@@ -68,6 +69,7 @@ _GEMMA4_LAYER_NAMES = {
     "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
     "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
 }
+_REQUIRED = object()
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -123,7 +125,7 @@ def hf_tensors(gf: GGUFFile, *, hf_norms: bool = True) -> dict[str, Matrix | np.
 def _model_config(gf: GGUFFile) -> ModelConfig:
     try:
         return ModelConfig.from_hf(hf_config(gf))
-    except ConfigError as e:
+    except (ConfigError, GGUFError) as e:
         raise GGUFError(f"{gf.path}: {e}") from None
 
 
@@ -151,6 +153,8 @@ def _sliding_flags(meta: dict, arch: str, n: int) -> list[bool]:
         return [bool(x) for x in _per_layer(pat, n)]
     if arch == "gemma3" and not meta.get(f"{arch}.attention.sliding_window"):
         return [False] * n  # no window written: every layer is global
+    if pat is not None and not (isinstance(pat, int) and not isinstance(pat, bool)):
+        raise GGUFError(f"metadata key {arch}.attention.sliding_window_pattern has a value of the wrong type: {pat!r:.60}")
     p = int(pat) if pat is not None else 6  # gemma3 default: 5 sliding, then 1 full
     return [p == 0 or (i % p) < p - 1 for i in range(n)]
 
@@ -168,15 +172,30 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
     if arch not in ("gemma3", "gemma4"):
         raise GGUFError(f"unsupported architecture {arch!r} (gemmalite reads gemma3 and gemma4)")
 
-    def get(key: str, default=None):
-        return meta.get(f"{arch}.{key}", default)
+    def get(key: str, default=_REQUIRED):
+        """A numeric (or per-layer numeric array) metadata value; GGUFError naming a missing or mistyped key."""
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            if default is _REQUIRED:
+                raise GGUFError(f"metadata key {arch}.{key} is missing")
+            return default
+        ok = (isinstance(v, np.ndarray) and v.dtype.kind in "iufb") or \
+            (isinstance(v, (int, float)) and not isinstance(v, bool)) or (key == "rope.scaling.type" and isinstance(v, str))
+        if not ok or isinstance(v, float) and not math.isfinite(v):
+            raise GGUFError(f"metadata key {arch}.{key} has a value of the wrong type: {v!r:.60}")
+        return v
 
     n = int(get("block_count"))
+    if not 1 <= n <= MAX_LAYERS:  # before anything is sized by it
+        raise GGUFError(f"metadata key {arch}.block_count = {n} is out of range (1..{MAX_LAYERS})")
     tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else None
     names = set(tensor_info or ())
     sliding = _sliding_flags(meta, arch, n)
     layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
     n_head = int(_per_layer(get("attention.head_count"), n)[0])
+    if n_head < 1:
+        raise GGUFError(f"metadata key {arch}.attention.head_count = {n_head}: a model needs attention heads")
     kv = [int(x) for x in _per_layer(get("attention.head_count_kv", n_head), n)]
     ff = [int(x) for x in _per_layer(get("feed_forward_length"), n)]
     cfg: dict[str, Any] = {
@@ -201,7 +220,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
     for hf, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
-            cfg[hf] = int(meta[f"tokenizer.ggml.{key}"])
+            cfg[hf] = meta[f"tokenizer.ggml.{key}"]  # ModelConfig checks the type and range
     if arch == "gemma3":
         _gemma3(cfg, get)
     else:
@@ -270,7 +289,13 @@ def load_gguf_parts(path: str | os.PathLike):
     back the stored factor); generation stops on llama.cpp's end-of-generation tokens."""
     gf = read_gguf(path)
     cfg = _model_config(gf)
-    info = special_token_info(gf.metadata)
+    if "tokenizer.ggml.tokens" not in gf.metadata:  # loads for token-id use, like a folder without tokenizer.json
+        return cfg, hf_tensors(gf), None, None
+    try:
+        info = special_token_info(gf.metadata)
+        tokenizer = tokenizer_from_gguf_metadata(gf.metadata)
+    except TokenizerError as e:
+        raise TokenizerError(f"{gf.path}: {e}") from None
     gen = {"eos_token_id": info["eog_token_ids"], "bos_token_id": info["bos_token_id"],
            "pad_token_id": info["pad_token_id"]}
-    return cfg, hf_tensors(gf), tokenizer_from_gguf_metadata(gf.metadata), gen
+    return cfg, hf_tensors(gf), tokenizer, gen
