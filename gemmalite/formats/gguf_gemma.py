@@ -210,13 +210,13 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
         "max_position_embeddings": int(get("context_length", 131072)),
         "layer_types": layer_types,
         "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": float(get("final_logit_softcapping")) if get("final_logit_softcapping") else None,
+        "final_logit_softcapping": float(get("final_logit_softcapping", None)) if get("final_logit_softcapping", None) else None,
         "vocab_size": int(get("vocab_size", len(tokens) if tokens is not None else 262144)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
     }
-    if get("attention.sliding_window") is not None:
-        cfg["sliding_window"] = int(get("attention.sliding_window"))
+    if get("attention.sliding_window", None) is not None:
+        cfg["sliding_window"] = int(get("attention.sliding_window", None))
     for hf, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
@@ -238,8 +238,8 @@ def _gemma3(cfg: dict, get) -> None:
     theta = float(get("rope.freq_base", 10000.0))
     local = float(get("rope.freq_base_swa", 10000.0))
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if get("rope.scaling.type", "linear") == "linear" and get("rope.scaling.factor"):
-        full = {"rope_type": "linear", "rope_theta": theta, "factor": float(get("rope.scaling.factor"))}
+    if get("rope.scaling.type", "linear") == "linear" and get("rope.scaling.factor", None):
+        full = {"rope_type": "linear", "rope_theta": theta, "factor": float(get("rope.scaling.factor", None))}
     cfg["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": local},
                               "full_attention": full}
     cfg["rope_theta"], cfg["rope_local_base_freq"] = theta, local  # transformers < 5 names
