@@ -135,7 +135,8 @@ def check_tokenizer_metadata(meta: dict[str, Any]) -> None:
                              "(expected 'llama' or 'gemma4')")
     for key in ("token_type", "scores"):
         v = meta.get(f"tokenizer.ggml.{key}")
-        if v is not None and not (isinstance(v, np.ndarray) and v.shape == (n,) and v.dtype.kind in "iuf"):
+        if v is not None and not (isinstance(v, (list, np.ndarray)) and np.asarray(v).shape == (n,)
+                                  and np.asarray(v).dtype.kind in "iuf"):
             raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} must be {n} numbers, one per token")
     merges = meta.get("tokenizer.ggml.merges")
     if meta.get("tokenizer.ggml.model") == "gemma4" and not (
