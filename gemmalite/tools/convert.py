@@ -6,16 +6,19 @@ PLE tables, norms and scalars are copied as stored. Loading takes well under two
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import CheckpointError
-from ..formats.converted import QUANT_METHOD, format_name
+from ..errors import CheckpointError, InputError
+from ..formats.converted import QUANT_METHOD, format_name, write_manifest
 from ..formats.folder import load_folder
 from ..formats.safetensors import save_arrays
 from ..models.gemma.contract import check_tensors, expected_shapes, quantizable
@@ -30,16 +33,81 @@ def _dense(t: Any) -> np.ndarray:
     return t.dense() if isinstance(t, Matrix) else t
 
 
-def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = True) -> Path:
+def _check_paths(src: Path, out: Path, force: bool) -> Path:
+    """The resolved output folder, after refusing one that would overwrite, hold or lie in the source."""
+    rs, ro = src.resolve(), out.resolve()
+    if ro == rs or rs in ro.parents or ro in rs.parents:
+        rel = "is" if ro == rs else "is inside" if rs in ro.parents else "contains"
+        raise CheckpointError(f"output {out} {rel} the source {src}: choose another folder")
+    if ro.exists() and not ro.is_dir():
+        raise CheckpointError(f"output {out} exists and is not a folder")
+    if ro.is_dir() and any(ro.iterdir()) and not force:
+        raise CheckpointError(f"output {out} is not empty: pass --force (force=True) to replace it")
+    return ro
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Put the finished folder ``tmp`` at ``out`` by renames (the old ``out``, if any, replaced whole)."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "x")
+    os.rename(tmp, out)
+    _fsync(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = True, force: bool = False) -> Path:
+    """Write ``src`` (a Hugging Face folder) as an int8/int4 checkpoint at ``out``.
+
+    All or nothing: the files go into a temporary folder beside ``out``, are flushed to disk with
+    the manifest last, and the folder is renamed into place; on any error or interruption the
+    temporary folder is removed and ``out`` is as it was. ``out`` must not be, hold or lie in
+    ``src``, and must be empty or absent unless ``force`` (which replaces it whole)."""
     src, out = Path(src), Path(out)
     if quant not in ("int8", "int4"):
-        raise ValueError(f"quant must be int8 or int4, got {quant!r}")
+        raise InputError(f"quant must be int8 or int4, got {quant!r}")
     if not src.is_dir():
         raise CheckpointError(f"{src}: convert takes a Hugging Face checkpoint folder")
+    target = _check_paths(src, out, force)
     cfg, tensors, raw = load_folder(src)
     if isinstance(raw.get("quantization_config"), dict):
         raise CheckpointError(f"{src} is already quantized ({raw['quantization_config'].get('quant_method')})")
     check_tensors(cfg, tensors, str(src))
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        _write(src, tmp, cfg, tensors, raw, quant, progress)
+        for f in tmp.iterdir():
+            _fsync(f)
+        write_manifest(tmp)
+        _fsync(tmp)
+        _check_paths(src, out, force)  # nothing appeared at out meanwhile
+        _install(tmp, target)
+        tmp = None
+    except OSError as e:
+        what = "no space left on the device" if e.errno == errno.ENOSPC else \
+            "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else e.strerror or str(e)
+        raise CheckpointError(f"cannot write {out}: {what} ({e.filename or target.parent}); nothing was "
+                              "written") from e
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write(src: Path, out: Path, cfg, tensors: dict[str, Any], raw: dict, quant: str, progress: bool) -> None:
+    """The converted checkpoint's files, written into the (empty, temporary) folder ``out``."""
     names = list(expected_shapes(cfg))
     jobs = quantizable(cfg)
     if cfg.tie_word_embeddings:
@@ -55,12 +123,10 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     for name in names:
         if name not in formats:
             arrays[name] = np.asarray(tensors[name])
-    out.mkdir(parents=True, exist_ok=True)
     save_arrays(out, arrays, progress=progress)
     config = dict(raw)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "default": quant, "formats": formats}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in SIDE_FILES:
-        if (src / f).exists():
-            shutil.copy2(src / f, out / f)
-    return out
+        if (src / f).is_file():
+            shutil.copyfile(src / f, out / f)
