@@ -16,6 +16,7 @@ import numpy as np
 from .errors import TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime.cache import KVState
+from .runtime import inputs
 from .runtime.engine import Engine
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, stop_sets, text_pieces)
@@ -48,36 +49,36 @@ class Model:
         return self.engine.new_state()
 
     def check_ids(self, ids: Iterable[int]) -> np.ndarray:
-        """Token ids as an int64 array, each inside the vocabulary."""
-        arr = np.asarray(list(ids), dtype=np.int64)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError("token ids must be a non-empty list of integers")
-        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
-        return arr
+        """Token ids as an int64 array, each an integer inside the vocabulary (else `InputError`)."""
+        return inputs.token_ids(ids, self.config.vocab_size)
+
+    def _fit(self, arr: np.ndarray, max_new_tokens: int, truncate: bool) -> np.ndarray:
+        return fit_prompt(arr, self.context, max_new_tokens, truncate, self.config.bos_token_id)
+
+    def _options(self, max_new_tokens: Any, truncate: Any, stream: Any, *sampling: Any) -> tuple[int, SamplingParams]:
+        """A generation call's options, checked at the call: (max_new_tokens, sampling parameters)."""
+        inputs.flag(truncate, "truncate")
+        inputs.flag(stream, "stream")
+        return inputs.integer(max_new_tokens, "max_new_tokens", 0), self.defaults.params(*sampling)
 
     # -- numerical entry points -------------------------------------------------------
     def logits(self, ids: Iterable[int]) -> np.ndarray:
         """float32 ``[len(ids), vocab]`` logits of a fresh full prefill (after softcap); no state kept."""
-        arr = fit_prompt(self.check_ids(ids), self.context, 0, truncate=False)
+        arr = self._fit(self.check_ids(ids), 0, truncate=False)
         return self.engine.logits(self.engine.forward(self.new_state(), arr))
 
     def hidden_states(self, ids: Iterable[int]) -> list[np.ndarray]:
         """Per-layer hidden states (debugging hook), transformers' ``output_hidden_states`` layout:
         the scaled embeddings, each layer's output, and the last one after the final norm."""
-        arr = fit_prompt(self.check_ids(ids), self.context, 0, truncate=False)
+        arr = self._fit(self.check_ids(ids), 0, truncate=False)
         captured: list[np.ndarray] = []
         final = self.engine.forward(self.new_state(), arr, capture=captured)
         captured[-1] = final
         return captured
 
     # -- generation ---------------------------------------------------------------------
-    def _token_stream(self, state: KVState, ids: Iterable[int], *, max_new_tokens: int, params: SamplingParams,
-                      stop_ids: set[int], truncate: bool, stats: GenerationStats):
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        arr = fit_prompt(self.check_ids(ids), self.context, max_new_tokens, truncate)
+    def _token_stream(self, state: KVState, arr: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
+                      stop_ids: set[int], stats: GenerationStats):
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
                             stop_ids=stop_ids, stats=stats)
 
@@ -90,15 +91,18 @@ class Model:
         ``stop``: extra stop token ids, or stop strings (needs a tokenizer); the stopping
         token is not returned. ``temperature=0`` is greedy.
         """
-        params = self.defaults.params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=False)
+        arr = self.check_ids(ids)
+        max_new_tokens, params = self._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
+                                               repetition_penalty, seed)
+        stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=False,
+                                           vocab_size=self.config.vocab_size)
         if stop_strings:
             self.tokenizer  # noqa: B018 - stop strings need a tokenizer: raise now, not mid-stream
-        ids = list(ids)
+        arr = self._fit(arr, max_new_tokens, truncate)
 
         def items(stats: GenerationStats):
-            it = self._token_stream(self.new_state(), ids, max_new_tokens=max_new_tokens, params=params,
-                                    stop_ids=stop_ids, truncate=truncate, stats=stats)
+            it = self._token_stream(self.new_state(), arr, max_new_tokens=max_new_tokens, params=params,
+                                    stop_ids=stop_ids, stats=stats)
             return cut_tokens_at_strings(it, self.tokenizer, stop_strings, stats) if stop_strings else it
 
         out = Stream(items)
@@ -108,9 +112,12 @@ class Model:
                  top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
                  truncate: bool = False):
         """Continue ``prompt`` (plain text, ``<bos>`` added): the new text, or a `Stream` of pieces."""
+        inputs.text(prompt, "prompt")
+        max_new_tokens, params = self._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
+                                               repetition_penalty, seed)
+        stop_sets(stop, self.defaults, None, chat=False)  # checked before the tokenizer is asked for
         return self.text(self.new_state(), self.tokenizer.encode(prompt), chat=False, stream=stream,
-                          max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
-                          params=self.defaults.params(temperature, top_k, top_p, min_p, repetition_penalty, seed))
+                          max_new_tokens=max_new_tokens, stop=stop, truncate=truncate, params=params)
 
     def session(self) -> "ChatSession":
         """A new conversation with its own KV state (any number can run side by side)."""
@@ -136,10 +143,11 @@ class Model:
         then text cut at stop strings.
         Inputs are checked at the call; ``lock`` (a session's) is held while the state is in use."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=chat)
+        arr = self._fit(self.check_ids(ids), max_new_tokens, truncate)
 
         def items(stats: GenerationStats):
-            tokens = self._token_stream(state, ids, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, truncate=truncate, stats=stats)
+            tokens = self._token_stream(state, arr, max_new_tokens=max_new_tokens, params=params,
+                                        stop_ids=stop_ids, stats=stats)
             pieces = text_pieces(tokens, self.tokenizer, stop_strings, stats)
             return pieces if lock is None else _holding(lock, pieces)
 
@@ -161,10 +169,13 @@ class ChatSession:
              truncate: bool = False, **template_kwargs: Any):
         """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces)."""
         m = self.model
+        inputs.messages(messages)
+        max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
+                                            repetition_penalty, seed)
+        stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
         ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
         return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                       truncate=truncate, params=m.defaults.params(temperature, top_k, top_p, min_p,
-                                                                   repetition_penalty, seed), lock=self._lock)
+                       truncate=truncate, params=params, lock=self._lock)
 
     def reset(self) -> None:
         with self._lock:
