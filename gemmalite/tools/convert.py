@@ -6,6 +6,7 @@ PLE tables, norms and scalars are copied as stored. Loading takes well under two
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -54,16 +55,28 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _install(tmp: Path, out: Path) -> None:
-    """Put the finished folder ``tmp`` at ``out`` by renames (the old ``out``, if any, replaced whole)."""
-    old = None
-    if out.exists():
+    """Put the finished folder ``tmp`` at ``out`` by renames; an existing ``out`` is replaced whole (in one
+    atomic swap where the system has one: it then ends up at ``tmp``, which the caller removes)."""
+    if out.exists() and not _exchange(tmp, out):
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         os.rename(out, old / "x")
-    os.rename(tmp, out)
-    _fsync(out.parent)
-    if old is not None:
+        os.rename(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
+    elif not out.exists():
+        os.rename(tmp, out)
+    _fsync(out.parent)
 
 
 def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = True, force: bool = False) -> Path:
@@ -87,6 +100,9 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
         _write(src, tmp, cfg, tensors, raw, quant, progress)
         for f in tmp.iterdir():
             _fsync(f)
@@ -94,7 +110,6 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
         _fsync(tmp)
         _check_paths(src, out, force)  # nothing appeared at out meanwhile
         _install(tmp, target)
-        tmp = None
     except OSError as e:
         what = "no space left on the device" if e.errno == errno.ENOSPC else \
             "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else e.strerror or str(e)
