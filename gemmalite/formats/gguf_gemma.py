@@ -149,12 +149,12 @@ def _per_layer(v, n: int) -> list:
 def _sliding_flags(meta: dict, arch: str, n: int) -> list[bool]:
     """Which layers use sliding-window attention (llama_model_base::load_swa_pattern)."""
     pat = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if pat is not None and not isinstance(pat, (list, np.ndarray)) and not (isinstance(pat, int) and not isinstance(pat, bool)):
+        raise GGUFError(f"metadata key {arch}.attention.sliding_window_pattern has a value of the wrong type: {pat!r:.60}")
     if isinstance(pat, (list, np.ndarray)):  # gemma4 (and newer gemma3 files): one bool per layer
         return [bool(x) for x in _per_layer(pat, n)]
     if arch == "gemma3" and not meta.get(f"{arch}.attention.sliding_window"):
         return [False] * n  # no window written: every layer is global
-    if pat is not None and not (isinstance(pat, int) and not isinstance(pat, bool)):
-        raise GGUFError(f"metadata key {arch}.attention.sliding_window_pattern has a value of the wrong type: {pat!r:.60}")
     p = int(pat) if pat is not None else 6  # gemma3 default: 5 sliding, then 1 full
     return [p == 0 or (i % p) < p - 1 for i in range(n)]
 

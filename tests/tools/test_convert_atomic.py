@@ -120,7 +120,7 @@ def test_non_empty_output_needs_force_which_replaces_it_whole(src, tmp_path):
     assert leftovers(tmp_path) == []
     empty = tmp_path / "empty"
     empty.mkdir()
-    convert(src, empty, "int4", progress=False)  # an empty folder is fine without force
+    convert(src, empty, "int8", progress=False)  # an empty folder is fine without force
     check_manifest(empty)
 
 
