@@ -70,6 +70,7 @@ _GEMMA4_LAYER_NAMES = {
     "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
 }
 _REQUIRED = object()
+_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -146,14 +147,14 @@ def _per_layer(v, n: int) -> list:
     return [v] * n
 
 
-def _sliding_flags(meta: dict, arch: str, n: int) -> list[bool]:
+def _sliding_flags(meta: dict, arch: str, n: int, window=None) -> list[bool]:
     """Which layers use sliding-window attention (llama_model_base::load_swa_pattern)."""
     pat = meta.get(f"{arch}.attention.sliding_window_pattern")
     if pat is not None and not isinstance(pat, (list, np.ndarray)) and not (isinstance(pat, int) and not isinstance(pat, bool)):
         raise GGUFError(f"metadata key {arch}.attention.sliding_window_pattern has a value of the wrong type: {pat!r:.60}")
     if isinstance(pat, (list, np.ndarray)):  # gemma4 (and newer gemma3 files): one bool per layer
         return [bool(x) for x in _per_layer(pat, n)]
-    if arch == "gemma3" and not meta.get(f"{arch}.attention.sliding_window"):
+    if arch == "gemma3" and not window:
         return [False] * n  # no window written: every layer is global
     p = int(pat) if pat is not None else 6  # gemma3 default: 5 sliding, then 1 full
     return [p == 0 or (i % p) < p - 1 for i in range(n)]
@@ -173,13 +174,14 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
         raise GGUFError(f"unsupported architecture {arch!r} (gemmalite reads gemma3 and gemma4)")
 
     def get(key: str, default=_REQUIRED):
-        """A numeric (or per-layer numeric array) metadata value; GGUFError naming a missing or mistyped key."""
+        """A numeric metadata value (an array only for the per-layer keys); GGUFError naming a
+        missing or mistyped key."""
         v = meta.get(f"{arch}.{key}")
         if v is None:
             if default is _REQUIRED:
                 raise GGUFError(f"metadata key {arch}.{key} is missing")
             return default
-        ok = (isinstance(v, np.ndarray) and v.dtype.kind in "iufb") or \
+        ok = (isinstance(v, np.ndarray) and v.dtype.kind in "iu" and v.ndim == 1 and key in _PER_LAYER_KEYS) or \
             (isinstance(v, (int, float)) and not isinstance(v, bool)) or (key == "rope.scaling.type" and isinstance(v, str))
         if not ok or isinstance(v, float) and not math.isfinite(v):
             raise GGUFError(f"metadata key {arch}.{key} has a value of the wrong type: {v!r:.60}")
@@ -191,7 +193,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
     tokens = meta.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, list) else None
     names = set(tensor_info or ())
-    sliding = _sliding_flags(meta, arch, n)
+    sliding = _sliding_flags(meta, arch, n, get("attention.sliding_window", None))
     layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
     n_head = int(_per_layer(get("attention.head_count"), n)[0])
     if n_head < 1:

@@ -76,7 +76,7 @@ def read_header(path: Path) -> tuple[int, dict[str, tuple[np.dtype, tuple[int, .
     for name, info in header.items():
         if not isinstance(info, dict):
             raise CheckpointError(f"{path}: tensor {name} has a malformed header entry")
-        dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info.get("dtype"), str) else None
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
