@@ -15,8 +15,8 @@ import numpy as np
 
 from .errors import TokenizerError
 from .models.gemma.config import ModelConfig
-from .runtime.cache import KVState
 from .runtime import inputs
+from .runtime.cache import KVState
 from .runtime.engine import Engine
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, stop_sets, text_pieces)

@@ -11,9 +11,9 @@ import numpy as np
 
 from ..errors import ContextError, InputError, NumericalError
 from ..tokenizer import Tokenizer
+from . import inputs
 from .cache import KVState
 from .engine import Engine
-from . import inputs
 from .sampling import Sampler, SamplingParams
 
 END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
