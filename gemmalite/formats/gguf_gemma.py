@@ -213,7 +213,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
         "layer_types": layer_types,
         "hidden_activation": "gelu_pytorch_tanh",
         "final_logit_softcapping": float(get("final_logit_softcapping", None)) if get("final_logit_softcapping", None) else None,
-        "vocab_size": int(get("vocab_size", len(tokens) if tokens is not None else 262144)),
+        "vocab_size": int(get("vocab_size", len(tokens) if tokens is not None else _embedding_rows(tensor_info))),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
     }
@@ -228,6 +228,12 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
     else:
         _gemma4(cfg, get, kv, ff, sliding, names, tensor_info, rope_freqs)
     return cfg
+
+
+def _embedding_rows(tensor_info: dict[str, TensorInfo] | None) -> int:
+    """The vocabulary size a file without a vocabulary implies: its embedding table's rows."""
+    info = (tensor_info or {}).get("token_embd.weight")
+    return info.shape[0] if info is not None else 262144
 
 
 def _gemma3(cfg: dict, get) -> None:

@@ -279,3 +279,16 @@ def test_gguf_tokenizer_problems_are_tokenizer_errors(over, needle):
     meta = gguf_meta(**{"tokenizer.ggml.model": "llama", **over})
     with pytest.raises(TokenizerError, match=needle):
         tokenizer_from_gguf_metadata(meta)
+
+
+def test_gguf_without_a_vocabulary_loads_for_token_ids(tmp_path, monkeypatch):
+    import test_gguf
+
+    import gemmalite
+
+    monkeypatch.setattr(test_gguf, "_tokens", lambda w: None)
+    test_gguf.write_gemma3(tmp_path / "novocab.gguf")
+    m = gemmalite.load(tmp_path / "novocab.gguf", context=16)
+    assert len(m.generate_tokens([2, 4, 5], max_new_tokens=3, temperature=0)) == 3
+    with pytest.raises(TokenizerError, match="no tokenizer"):
+        m.generate("hi")
