@@ -47,6 +47,15 @@ def _check_paths(src: Path, out: Path, force: bool) -> Path:
     return ro
 
 
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would change it for every thread a moment)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -100,9 +109,7 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
         _write(src, tmp, cfg, tensors, raw, quant, progress)
         for f in tmp.iterdir():
             _fsync(f)
