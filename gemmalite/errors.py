@@ -23,4 +23,9 @@ class ImageError(ValueError):
 
 
 class InputError(ValueError):
-    """An argument is malformed: an empty or non-string text, an unknown prompt name, a bad size."""
+    """An argument of an API call has the wrong type or lies outside its range (checked before any
+    work): a bad token id or option, an empty or non-string text, an unknown prompt name, a bad size."""
+
+
+class NumericalError(ValueError):
+    """The computation produced non-finite values (NaN / inf logits): the weights are broken."""

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import json
+import os
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import CheckpointError, ConfigError, TokenizerError
-from .formats.folder import load_folder, read_tensors
+from .errors import CheckpointError, ConfigError, InputError, TokenizerError
+from .formats.folder import load_folder, read_json, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
@@ -18,6 +18,7 @@ from .model import Model
 from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
+from .runtime import inputs
 from .runtime.engine import Engine
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
@@ -46,9 +47,13 @@ def resolve(path: str | Path) -> Path:
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4"."""
-    p = resolve(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"path must be a str or a path, got {type(path).__name__}")
     if quant not in QUANT_KINDS:
-        raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+        raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+    if context is not None:
+        inputs.integer(context, "context", 1)
+    p = resolve(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     vision = None
@@ -60,16 +65,19 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         cfg, tensors, raw = load_folder(p)
         vision = _vision(p, raw, quant)
         tokenizer = load_tokenizer_folder(p)
-        gen = _read_json(p / "generation_config.json")
+        gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else None
     check_tensors(cfg, tensors, str(p))
+    try:
+        defaults = GenerationDefaults.from_generation_config(gen, cfg.eos_token_ids)
+    except InputError as e:
+        raise CheckpointError(f"{p / 'generation_config.json' if p.is_dir() else p}: {e}") from None
     if tokenizer is not None:
         tokenizer.fallback_template = FALLBACK_TEMPLATES[cfg.family]
     w = build_weights(cfg, tensors, quant)
     engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
                     context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0)
-    return Model(cfg, engine, tokenizer, GenerationDefaults.from_generation_config(gen, cfg.eos_token_ids), str(p),
-                 vision=vision)
+    return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision)
 
 
 def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
@@ -111,18 +119,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise TokenizerError(f"{p}: no such tokenizer file or folder")
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-
-
 def resolve_context(context: int | None, cfg: ModelConfig) -> int:
     if context is None:
         return min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
-    if not 1 <= int(context) <= cfg.max_position_embeddings:
-        raise ValueError(f"context must be between 1 and the model's maximum {cfg.max_position_embeddings}, got {context}")
-    return int(context)
+    return inputs.integer(context, "context", 1, cfg.max_position_embeddings)

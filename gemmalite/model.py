@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import ConfigError, TokenizerError
 from .models.gemma.config import ModelConfig
+from .runtime import inputs
 from .runtime.cache import KVState
 from .runtime.engine import Engine, SoftTokens
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
@@ -50,14 +51,17 @@ class Model:
         return self.engine.new_state()
 
     def check_ids(self, ids: Iterable[int]) -> np.ndarray:
-        """Token ids as an int64 array, each inside the vocabulary."""
-        arr = np.asarray(list(ids), dtype=np.int64)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError("token ids must be a non-empty list of integers")
-        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
-        return arr
+        """Token ids as an int64 array, each an integer inside the vocabulary (else `InputError`)."""
+        return inputs.token_ids(ids, self.config.vocab_size)
+
+    def _fit(self, arr: np.ndarray, max_new_tokens: int, truncate: bool) -> np.ndarray:
+        return fit_prompt(arr, self.context, max_new_tokens, truncate, self.config.bos_token_id)
+
+    def _options(self, max_new_tokens: Any, truncate: Any, stream: Any, *sampling: Any) -> tuple[int, SamplingParams]:
+        """A generation call's options, checked at the call: (max_new_tokens, sampling parameters)."""
+        inputs.flag(truncate, "truncate")
+        inputs.flag(stream, "stream")
+        return inputs.integer(max_new_tokens, "max_new_tokens", 0), self.defaults.params(*sampling)
 
     def with_images(self, ids: Iterable[int], images) -> tuple[np.ndarray, SoftTokens | None]:
         """The prompt as it runs: each image placeholder of ``ids`` expanded with the next image's
@@ -70,30 +74,31 @@ class Model:
         p = self.vision.prompt(arr, list(images))
         return p.ids, SoftTokens(p.rows, p.vectors, p.keys)
 
+    def _prompt(self, ids: Iterable[int], images, max_new_tokens: int, truncate: bool):
+        """(ids, soft tokens) as they will run: pictures expanded, fitted to the context (a prompt
+        with pictures is never cut)."""
+        arr, soft = self.with_images(ids, images)
+        return self._fit(arr, max_new_tokens, truncate and soft is None), soft
+
     # -- numerical entry points -------------------------------------------------------
     def logits(self, ids: Iterable[int], images=None) -> np.ndarray:
         """float32 ``[T, vocab]`` logits of a fresh full prefill (after softcap); no state kept.
         ``images`` fill the prompt's image placeholders (T counts their soft tokens)."""
-        arr, soft = self.with_images(ids, images)
-        arr = fit_prompt(arr, self.context, 0, truncate=False)
+        arr, soft = self._prompt(ids, images, 0, truncate=False)
         return self.engine.logits(self.engine.forward(self.new_state(), arr, soft=soft))
 
     def hidden_states(self, ids: Iterable[int]) -> list[np.ndarray]:
         """Per-layer hidden states (debugging hook), transformers' ``output_hidden_states`` layout:
         the scaled embeddings, each layer's output, and the last one after the final norm."""
-        arr = fit_prompt(self.check_ids(ids), self.context, 0, truncate=False)
+        arr = self._fit(self.check_ids(ids), 0, truncate=False)
         captured: list[np.ndarray] = []
         final = self.engine.forward(self.new_state(), arr, capture=captured)
         captured[-1] = final
         return captured
 
     # -- generation ---------------------------------------------------------------------
-    def _token_stream(self, state: KVState, ids: Iterable[int], *, max_new_tokens: int, params: SamplingParams,
-                      stop_ids: set[int], truncate: bool, stats: GenerationStats, images=None):
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        arr, soft = self.with_images(ids, images)
-        arr = fit_prompt(arr, self.context, max_new_tokens, truncate and soft is None)  # never cut a picture
+    def _token_stream(self, state: KVState, arr: np.ndarray, soft: SoftTokens | None, *, max_new_tokens: int,
+                      params: SamplingParams, stop_ids: set[int], stats: GenerationStats):
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
                             stop_ids=stop_ids, stats=stats, soft=soft)
 
@@ -106,15 +111,18 @@ class Model:
         ``stop``: extra stop token ids, or stop strings (needs a tokenizer); the stopping
         token is not returned. ``temperature=0`` is greedy.
         """
-        params = self.defaults.params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=False)
+        self.check_ids(ids)
+        max_new_tokens, params = self._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
+                                               repetition_penalty, seed)
+        stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=False,
+                                           vocab_size=self.config.vocab_size)
         if stop_strings:
             self.tokenizer  # noqa: B018 - stop strings need a tokenizer: raise now, not mid-stream
-        ids = list(ids)
+        arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
 
         def items(stats: GenerationStats):
-            it = self._token_stream(self.new_state(), ids, max_new_tokens=max_new_tokens, params=params,
-                                    stop_ids=stop_ids, truncate=truncate, stats=stats, images=images)
+            it = self._token_stream(self.new_state(), arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                    stop_ids=stop_ids, stats=stats)
             return cut_tokens_at_strings(it, self.tokenizer, stop_strings, stats) if stop_strings else it
 
         out = Stream(items)
@@ -124,9 +132,12 @@ class Model:
                  top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
                  truncate: bool = False):
         """Continue ``prompt`` (plain text, ``<bos>`` added): the new text, or a `Stream` of pieces."""
+        inputs.text(prompt, "prompt")
+        max_new_tokens, params = self._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
+                                               repetition_penalty, seed)
+        stop_sets(stop, self.defaults, None, chat=False)  # checked before the tokenizer is asked for
         return self.text(self.new_state(), self.tokenizer.encode(prompt), chat=False, stream=stream,
-                          max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
-                          params=self.defaults.params(temperature, top_k, top_p, min_p, repetition_penalty, seed))
+                          max_new_tokens=max_new_tokens, stop=stop, truncate=truncate, params=params)
 
     def session(self) -> "ChatSession":
         """A new conversation with its own KV state (any number can run side by side)."""
@@ -152,10 +163,11 @@ class Model:
         then text cut at stop strings.
         Inputs are checked at the call; ``lock`` (a session's) is held while the state is in use."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=chat)
+        arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
 
         def items(stats: GenerationStats):
-            tokens = self._token_stream(state, ids, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, truncate=truncate, stats=stats, images=images)
+            tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                        stop_ids=stop_ids, stats=stats)
             pieces = text_pieces(tokens, self.tokenizer, stop_strings, stats)
             return pieces if lock is None else _holding(lock, pieces)
 
@@ -178,11 +190,13 @@ class ChatSession:
         """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces).
         Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``."""
         m = self.model
+        inputs.messages(messages)
+        max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
+                                            repetition_penalty, seed)
+        stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
         ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
         return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                       truncate=truncate, params=m.defaults.params(temperature, top_k, top_p, min_p,
-                                                                   repetition_penalty, seed), lock=self._lock,
-                       images=message_images(messages))
+                       truncate=truncate, params=params, lock=self._lock, images=message_images(messages))
 
     def reset(self) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import TokenizerError
+from .errors import InputError, TokenizerError
 
 # Used when a checkpoint carries no chat template: the family's turn format.
 GEMMA4_FALLBACK_TEMPLATE = (
@@ -62,6 +62,12 @@ class Tokenizer:
         return self._prepend_bos
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise InputError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"text contains a lone surrogate at position {e.start}, which is not text") from None
         ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_id, *ids]
@@ -76,12 +82,15 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for a conversation (transformers' ``apply_chat_template(tokenize=False)``)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            raise InputError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if self._template is None:
             self._template = compile_template(self.chat_template or self.fallback_template)
         tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                     documents=documents, **{**self.special_tokens, **kwargs})
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         documents=documents, **{**self.special_tokens, **kwargs})
+        except jinja2.TemplateError as e:  # raise_exception() in the template: it refuses these messages
+            raise InputError(f"the chat template refused the messages: {e}") from None
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of the rendered conversation (the template writes <bos> itself: none is added)."""
@@ -162,12 +171,17 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
         raise TokenizerError(f"{path}: cannot be read ({e})") from None
     conf: dict[str, Any] = {}
     if (folder / "tokenizer_config.json").exists():
-        conf = json.loads((folder / "tokenizer_config.json").read_text())
+        conf = _json_object(folder / "tokenizer_config.json")
     template = None
     if (folder / "chat_template.jinja").exists():
-        template = (folder / "chat_template.jinja").read_text()
+        try:
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{folder / 'chat_template.jinja'}: cannot be read ({e})") from None
     elif (folder / "chat_template.json").exists():
-        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+        template = _json_object(folder / "chat_template.json").get("chat_template")
+        if not isinstance(template, str):
+            raise TokenizerError(f"{folder / 'chat_template.json'}: chat_template must be a string")
     elif isinstance(conf.get("chat_template"), str):
         template = conf["chat_template"]
     special = {k: s for k in SPECIAL_KEYS if (s := _token_str(conf.get(k)))}
@@ -175,7 +189,23 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
         special["bos_token"] = "<bos>"
     if "eos_token" not in special and tk.token_to_id("<eos>") is not None:
         special["eos_token"] = "<eos>"
-    return Tokenizer(tk, chat_template=template, special_tokens=special, add_bos=conf.get("add_bos_token", True))
+    add_bos = conf.get("add_bos_token", True)
+    if not isinstance(add_bos, bool):
+        raise TokenizerError(f"{folder / 'tokenizer_config.json'}: add_bos_token must be true or false, got {add_bos!r}")
+    return Tokenizer(tk, chat_template=template, special_tokens=special, add_bos=add_bos)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from a tokenizer file; TokenizerError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot be read ({e.strerror})") from None
+    except (ValueError, RecursionError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'})") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def save_tokenizer(tok: Tokenizer, out: Path) -> None:

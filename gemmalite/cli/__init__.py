@@ -13,18 +13,40 @@ GROUPS = (generate, tools, embed, serve)  # run, chat | inspect, synth, convert,
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemmalite", description="Gemma 4 / Gemma 3 text generation on the CPU.")
+    ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = ap.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.add_parsers(sub)
+    for p in sub.choices.values():  # `gemmalite run ... --debug` as well as `gemmalite --debug run ...`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. Errors print as one ``gemmalite: error: ...`` line with exit status 1
+    (``--debug``: the traceback instead)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # our errors are ValueErrors with a clear message
-        print(f"gemmalite: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("gemmalite: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # the project's errors are ValueErrors with a clear message
+        if args.debug:
+            raise
+        print(f"gemmalite: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: still one line, the traceback with --debug
+        if args.debug:
+            raise
+        print(f"gemmalite: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
+              "traceback)", file=sys.stderr)
+        return 1

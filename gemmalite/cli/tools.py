@@ -28,7 +28,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
 def cmd_convert(a: argparse.Namespace) -> int:
     from ..tools.convert import convert
 
-    convert(a.model, a.out, a.quant, progress=not a.quiet)
+    convert(a.model, a.out, a.quant, progress=not a.quiet, force=a.force)
     print(f"wrote {a.out}")
     return 0
 
@@ -91,6 +91,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="Hugging Face checkpoint folder")
     p.add_argument("out")
     p.add_argument("--quant", choices=["int8", "int4"], required=True)
+    p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)
 

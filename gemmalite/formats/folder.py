@@ -10,21 +10,34 @@ import numpy as np
 
 from ..errors import CheckpointError, ConfigError
 from ..models.gemma.config import ModelConfig
-from .converted import assemble
+from .converted import QUANT_METHOD, assemble, check_manifest
 from .safetensors import read_safetensors
 
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
 
 
+def read_json(path: Path, error: type[ValueError] = CheckpointError) -> Any:
+    """A JSON file's value; ``error`` naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise error(f"{path}: not valid JSON ({e})") from None
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
-        files = [folder / n for n in names]
-        missing = [str(p) for p in files if not p.exists()]
+        wm = read_json(index)
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) and v and Path(v).name == v for v in wm.values()):
+            raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to file names "
+                                  "in the folder)")
+        files = [folder / n for n in sorted(set(wm.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
         if missing:
             raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
         return files
@@ -38,10 +51,10 @@ def read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.exists():
         raise CheckpointError(f"{folder}: config.json is missing")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: the config must be a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def load_folder(folder: str | Path, parse: Callable[[dict], ModelConfig] = ModelConfig.from_hf,
@@ -52,6 +65,9 @@ def load_folder(folder: str | Path, parse: Callable[[dict], ModelConfig] = Model
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
     raw = read_config(folder)
+    qconf = raw.get("quantization_config")
+    if isinstance(qconf, dict) and qconf.get("quant_method") == QUANT_METHOD:  # `gemmalite convert`, manifest last
+        check_manifest(folder)
     try:
         cfg = parse(raw)
     except ConfigError as e:

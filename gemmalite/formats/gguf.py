@@ -29,6 +29,7 @@ from ..weights.matrix import Matrix
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_NAME = 64  # GGML_MAX_NAME: llama.cpp refuses longer tensor names
 
 # GGUF value types -> (struct format, numpy dtype); 8 = string, 9 = array
 _SCALARS = {
@@ -115,8 +116,8 @@ class _Cursor:
                 if n > self.size:  # each string needs at least 8 bytes
                     raise self.fail(f"corrupted: {what} claims {n} strings")
                 return [self.string(what) for _ in range(n)]
-            if etype == _ARRAY:
-                return [self.value(_ARRAY, what) for _ in range(n)]
+            if etype == _ARRAY:  # llama.cpp rejects these too; a recursion here could be 10^5 deep
+                raise self.fail(f"{what} is an array of arrays, which GGUF readers do not accept")
             raise self.fail(f"corrupted: {what} has unknown array element type {etype}")
         raise self.fail(f"corrupted: {what} has unknown value type {vtype}")
 
@@ -132,25 +133,48 @@ def _parse(buf, path: str) -> tuple[int, dict[str, Any], list[TensorInfo]]:
                         "big-endian file also shows up this way)")
     n_tensors = cur.scalar(10, "tensor count")
     n_kv = cur.scalar(10, "metadata count")
-    if n_tensors > cur.size or n_kv > cur.size:
-        raise GGUFError(f"{path}: corrupted header ({n_tensors} tensors, {n_kv} metadata keys)")
+    # a metadata entry takes at least 12 bytes (key length, type), a tensor entry at least 32
+    if n_tensors * 32 > cur.size or n_kv * 12 > cur.size:
+        raise GGUFError(f"{path}: corrupted header ({n_tensors} tensors, {n_kv} metadata keys in "
+                        f"{cur.size} bytes)")
     meta: dict[str, Any] = {}
+    types: dict[str, int] = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
-        meta[key] = cur.value(cur.scalar(4, f"type of {key!r}"), f"metadata {key!r}")
+        if key in meta:
+            raise GGUFError(f"{path}: duplicate metadata key {key!r}")
+        types[key] = cur.scalar(4, f"type of {key!r}")
+        meta[key] = cur.value(types[key], f"metadata {key!r}")
     raw_infos = []
+    seen: set[str] = set()
     for i in range(n_tensors):
         name = cur.string(f"tensor name #{i}")
+        if len(name.encode()) >= MAX_NAME:
+            raise GGUFError(f"{path}: tensor name #{i} is {len(name.encode())} bytes long (at most {MAX_NAME - 1})")
+        if name in seen:
+            raise GGUFError(f"{path}: duplicate tensor name {name!r}")
+        seen.add(name)
         n_dims = cur.scalar(4, f"tensor {name!r}")
         if not 1 <= n_dims <= 4:
             raise GGUFError(f"{path}: corrupted tensor {name!r}: {n_dims} dimensions")
         ne = [cur.scalar(10, f"tensor {name!r}") for _ in range(n_dims)]
+        if math.prod(ne) >= 2**63:
+            raise GGUFError(f"{path}: corrupted tensor {name!r}: dimensions {ne} (negative or too large)")
         raw_infos.append((name, ne, cur.scalar(4, f"tensor {name!r}"), cur.scalar(10, f"tensor {name!r}")))
-    align = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
+    align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if "general.alignment" in meta and types["general.alignment"] != 4:
+        raise GGUFError(f"{path}: general.alignment must be a uint32 (llama.cpp requires it)")
     if align <= 0 or align & (align - 1):
         raise GGUFError(f"{path}: invalid general.alignment {align}")
     data_start = -(-cur.pos // align) * align
-    infos = [_tensor_info(path, cur.size, data_start, align, *ri) for ri in raw_infos]
+    infos, expected = [], 0
+    for ri in raw_infos:  # llama.cpp's layout: in order, each at the padded end of the one before
+        info = _tensor_info(path, cur.size, data_start, align, *ri)
+        if info.offset - data_start != expected:
+            raise GGUFError(f"{path}: tensor {info.name!r} data offset {info.offset - data_start}, expected "
+                            f"{expected} (tensors lie in order, each padded to {align} bytes): the file is corrupted")
+        expected += -(-info.nbytes // align) * align
+        infos.append(info)
     return version, meta, infos
 
 
@@ -207,9 +231,6 @@ def read_gguf(path: str | os.PathLike, *, load_tensors: bool = True) -> GGUFFile
             version, meta, infos = _parse(buf, path)
         finally:
             buf.release()
-    names = [i.name for i in infos]
-    if len(set(names)) != len(names):
-        raise GGUFError(f"{path}: duplicate tensor names")
     gf = GGUFFile(path, version, meta, {i.name: i for i in infos})
     if load_tensors and infos:
         data = np.memmap(path, dtype=np.uint8, mode="r")

@@ -2,14 +2,15 @@
 and a Hugging Face text config, so GGUF models load through the same tensor contract as folders."""
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..models.gemma.config import ModelConfig
+from ..errors import ConfigError, TokenizerError
+from ..models.gemma.config import MAX_LAYERS, ModelConfig
 from ..models.gemma.contract import expected_shapes
 from ..weights.matrix import Matrix
 from .gguf import GGUFError, GGUFFile, TensorInfo, read_gguf
@@ -68,6 +69,8 @@ _GEMMA4_LAYER_NAMES = {
     "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
     "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
 }
+_REQUIRED = object()
+_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -123,7 +126,7 @@ def hf_tensors(gf: GGUFFile, *, hf_norms: bool = True) -> dict[str, Matrix | np.
 def _model_config(gf: GGUFFile) -> ModelConfig:
     try:
         return ModelConfig.from_hf(hf_config(gf))
-    except ConfigError as e:
+    except (ConfigError, GGUFError) as e:
         raise GGUFError(f"{gf.path}: {e}") from None
 
 
@@ -144,12 +147,14 @@ def _per_layer(v, n: int) -> list:
     return [v] * n
 
 
-def _sliding_flags(meta: dict, arch: str, n: int) -> list[bool]:
+def _sliding_flags(meta: dict, arch: str, n: int, window=None) -> list[bool]:
     """Which layers use sliding-window attention (llama_model_base::load_swa_pattern)."""
     pat = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if pat is not None and not isinstance(pat, (list, np.ndarray)) and not (isinstance(pat, int) and not isinstance(pat, bool)):
+        raise GGUFError(f"metadata key {arch}.attention.sliding_window_pattern has a value of the wrong type: {pat!r:.60}")
     if isinstance(pat, (list, np.ndarray)):  # gemma4 (and newer gemma3 files): one bool per layer
         return [bool(x) for x in _per_layer(pat, n)]
-    if arch == "gemma3" and not meta.get(f"{arch}.attention.sliding_window"):
+    if arch == "gemma3" and not window:
         return [False] * n  # no window written: every layer is global
     p = int(pat) if pat is not None else 6  # gemma3 default: 5 sliding, then 1 full
     return [p == 0 or (i % p) < p - 1 for i in range(n)]
@@ -168,15 +173,31 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
     if arch not in ("gemma3", "gemma4"):
         raise GGUFError(f"unsupported architecture {arch!r} (gemmalite reads gemma3 and gemma4)")
 
-    def get(key: str, default=None):
-        return meta.get(f"{arch}.{key}", default)
+    def get(key: str, default=_REQUIRED):
+        """A numeric metadata value (an array only for the per-layer keys); GGUFError naming a
+        missing or mistyped key."""
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            if default is _REQUIRED:
+                raise GGUFError(f"metadata key {arch}.{key} is missing")
+            return default
+        ok = (isinstance(v, np.ndarray) and v.dtype.kind in "iu" and v.ndim == 1 and key in _PER_LAYER_KEYS) or \
+            (isinstance(v, (int, float)) and not isinstance(v, bool)) or (key == "rope.scaling.type" and isinstance(v, str))
+        if not ok or isinstance(v, float) and not math.isfinite(v):
+            raise GGUFError(f"metadata key {arch}.{key} has a value of the wrong type: {v!r:.60}")
+        return v
 
     n = int(get("block_count"))
+    if not 1 <= n <= MAX_LAYERS:  # before anything is sized by it
+        raise GGUFError(f"metadata key {arch}.block_count = {n} is out of range (1..{MAX_LAYERS})")
     tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else None
     names = set(tensor_info or ())
-    sliding = _sliding_flags(meta, arch, n)
+    sliding = _sliding_flags(meta, arch, n, get("attention.sliding_window", None))
     layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
     n_head = int(_per_layer(get("attention.head_count"), n)[0])
+    if n_head < 1:
+        raise GGUFError(f"metadata key {arch}.attention.head_count = {n_head}: a model needs attention heads")
     kv = [int(x) for x in _per_layer(get("attention.head_count_kv", n_head), n)]
     ff = [int(x) for x in _per_layer(get("feed_forward_length"), n)]
     cfg: dict[str, Any] = {
@@ -191,22 +212,28 @@ def config_from_gguf(meta: dict[str, Any], tensor_info: dict[str, TensorInfo] | 
         "max_position_embeddings": int(get("context_length", 131072)),
         "layer_types": layer_types,
         "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": float(get("final_logit_softcapping")) if get("final_logit_softcapping") else None,
-        "vocab_size": int(get("vocab_size", len(tokens) if tokens is not None else 262144)),
+        "final_logit_softcapping": float(get("final_logit_softcapping", None)) if get("final_logit_softcapping", None) else None,
+        "vocab_size": int(get("vocab_size", len(tokens) if tokens is not None else _embedding_rows(tensor_info))),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
     }
-    if get("attention.sliding_window") is not None:
-        cfg["sliding_window"] = int(get("attention.sliding_window"))
+    if get("attention.sliding_window", None) is not None:
+        cfg["sliding_window"] = int(get("attention.sliding_window", None))
     for hf, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
-            cfg[hf] = int(meta[f"tokenizer.ggml.{key}"])
+            cfg[hf] = meta[f"tokenizer.ggml.{key}"]  # ModelConfig checks the type and range
     if arch == "gemma3":
         _gemma3(cfg, get)
     else:
         _gemma4(cfg, get, kv, ff, sliding, names, tensor_info, rope_freqs)
     return cfg
+
+
+def _embedding_rows(tensor_info: dict[str, TensorInfo] | None) -> int:
+    """The vocabulary size a file without a vocabulary implies: its embedding table's rows."""
+    info = (tensor_info or {}).get("token_embd.weight")
+    return info.shape[0] if info is not None else 262144
 
 
 def _gemma3(cfg: dict, get) -> None:
@@ -219,8 +246,8 @@ def _gemma3(cfg: dict, get) -> None:
     theta = float(get("rope.freq_base", 10000.0))
     local = float(get("rope.freq_base_swa", 10000.0))
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if get("rope.scaling.type", "linear") == "linear" and get("rope.scaling.factor"):
-        full = {"rope_type": "linear", "rope_theta": theta, "factor": float(get("rope.scaling.factor"))}
+    if get("rope.scaling.type", "linear") == "linear" and get("rope.scaling.factor", None):
+        full = {"rope_type": "linear", "rope_theta": theta, "factor": float(get("rope.scaling.factor", None))}
     cfg["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": local},
                               "full_attention": full}
     cfg["rope_theta"], cfg["rope_local_base_freq"] = theta, local  # transformers < 5 names
@@ -270,7 +297,13 @@ def load_gguf_parts(path: str | os.PathLike):
     back the stored factor); generation stops on llama.cpp's end-of-generation tokens."""
     gf = read_gguf(path)
     cfg = _model_config(gf)
-    info = special_token_info(gf.metadata)
+    if "tokenizer.ggml.tokens" not in gf.metadata:  # loads for token-id use, like a folder without tokenizer.json
+        return cfg, hf_tensors(gf), None, None
+    try:
+        info = special_token_info(gf.metadata)
+        tokenizer = tokenizer_from_gguf_metadata(gf.metadata)
+    except TokenizerError as e:
+        raise TokenizerError(f"{gf.path}: {e}") from None
     gen = {"eos_token_id": info["eog_token_ids"], "bos_token_id": info["bos_token_id"],
            "pad_token_id": info["pad_token_id"]}
-    return cfg, hf_tensors(gf), tokenizer_from_gguf_metadata(gf.metadata), gen
+    return cfg, hf_tensors(gf), tokenizer, gen

@@ -37,6 +37,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from ..errors import TokenizerError
 from ..tokenizer import Tokenizer as GemmaTokenizer
 from .gguf import read_gguf
 
@@ -80,6 +81,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
     """Build the tokenizer a GGUF file's metadata describes, plus facts the runtime needs:
     ``bos/eos/pad/unk_token_id``, ``add_bos``, ``add_eos``, ``eog_token_ids`` (llama.cpp's
     end-of-generation set), ``chat_template`` and ``model`` ("llama" or "gemma4")."""
+    check_tokenizer_metadata(meta)
     model = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     n = len(tokens)
@@ -95,8 +97,8 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
     elif model == "gemma4":
         merges = _bpe_merges(list(meta["tokenizer.ggml.merges"]), vocab)
         pre = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
-    else:
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r} (expected 'llama' or 'gemma4')")
+    else:  # check_tokenizer_metadata admits no other
+        raise TokenizerError(f"unsupported GGUF tokenizer model {model!r}")
 
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, byte_fallback=True,
@@ -122,8 +124,33 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
     return tok, info
 
 
+def check_tokenizer_metadata(meta: dict[str, Any]) -> None:
+    """TokenizerError naming the first malformed ``tokenizer.ggml.*`` key (a missing vocabulary too)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens list (no vocabulary)")
+    n = len(tokens)
+    if meta.get("tokenizer.ggml.model") not in ("llama", "gemma4"):
+        raise TokenizerError(f"unsupported GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} "
+                             "(expected 'llama' or 'gemma4')")
+    for key in ("token_type", "scores"):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and not (isinstance(v, (list, np.ndarray)) and np.asarray(v).shape == (n,)
+                                  and np.asarray(v).dtype.kind in "iuf"):
+            raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} must be {n} numbers, one per token")
+    merges = meta.get("tokenizer.ggml.merges")
+    if meta.get("tokenizer.ggml.model") == "gemma4" and not (
+            isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+        raise TokenizerError("GGUF metadata tokenizer.ggml.merges must be a list of strings")
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n):
+            raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} = {v!r} is not a token id below {n}")
+
+
 def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
     """The special-token facts of `tokenizer_from_gguf`, without building the tokenizer."""
+    check_tokenizer_metadata(meta)
     model = meta.get("tokenizer.ggml.model")
     tokens = meta["tokenizer.ggml.tokens"]
 
@@ -160,7 +187,10 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> GemmaTokenizer:
 
 def tokenizer_from_gguf_file(path: str | os.PathLike) -> GemmaTokenizer:
     """The tokenizer stored in a GGUF file's metadata (a vocabulary-only GGUF too; tensors untouched)."""
-    return tokenizer_from_gguf_metadata(read_gguf(path, load_tensors=False).metadata)
+    try:
+        return tokenizer_from_gguf_metadata(read_gguf(path, load_tensors=False).metadata)
+    except TokenizerError as e:
+        raise TokenizerError(f"{os.fspath(path)}: {e}") from None
 
 
 def save_tokenizer_json(tok: Tokenizer, path: str | os.PathLike) -> None:

@@ -8,6 +8,7 @@ ml_dtypes), so a 2.3-billion-value PLE table costs nothing until rows are read. 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -29,33 +30,84 @@ DTYPES = {
     "I64": np.dtype(np.int64),
 }
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-map every tensor of one .safetensors file (no copy, stored dtype)."""
+MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise CheckpointError(f"duplicate key {dup!r}")
+    return d
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def read_header(path: Path) -> tuple[int, dict[str, tuple[np.dtype, tuple[int, ...], int, int]]]:
+    """The data section's start and every tensor's (dtype, shape, start, end), checked the way the
+    official reader checks them (and a little more): the header fits the file, is a JSON object
+    of well-typed entries, and the tensors tile the data section exactly -- sized for their dtype
+    and shape, no overlap, no gap, nothing past the end and nothing after the last one."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100_000_000:
-            raise CheckpointError(f"{path}: corrupt safetensors header (size {n})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    base = 8 + n
-    out: dict[str, np.ndarray] = {}
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: corrupt safetensors header (size {n}, file {size} bytes)")
+        raw = f.read(n)
+    try:
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("the header is not a JSON object")
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: corrupt safetensors header ({str(e) or 'nested too deeply'})") from None
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    base, data_len = 8 + n, size - 8 - n
+    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
     for name, info in header.items():
-        dtype = DTYPES.get(info.get("dtype"))
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: tensor {name} has a malformed header entry")
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info.get("dtype"), str) else None
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - start != count * dtype.itemsize or base + end > size:
-            raise CheckpointError(f"{path}: tensor {name} data is truncated or inconsistent with its shape {shape}")
-        if count == 0:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            raise CheckpointError(f"{path}: tensor {name} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path}: tensor {name} has invalid data_offsets {offsets!r}")
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(f"{path}: tensor {name} data_offsets {offsets} hold {offsets[1] - offsets[0]} "
+                                  f"bytes, its dtype and shape {tuple(shape)} need {nbytes}")
+        entries[name] = (dtype, tuple(shape), offsets[0], offsets[1])
+    end = 0
+    for name, (_, _, a, b) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if a != end:
+            what = "overlaps the tensor before it" if a < end else f"leaves a gap of {a - end} bytes before it"
+            raise CheckpointError(f"{path}: tensor {name} data [{a}, {b}) {what}: the file is corrupted")
+        end = b
+    if end != data_len:
+        raise CheckpointError(f"{path}: the tensors cover {end} bytes of a {data_len}-byte data section: "
+                              "the file is truncated or corrupted")
+    return base, entries
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-map every tensor of one .safetensors file (no copy, stored dtype), after `read_header`'s checks."""
+    base, entries = read_header(Path(path))
+    out: dict[str, np.ndarray] = {}
+    for name, (dtype, shape, start, end) in entries.items():
+        if end == start:
             out[name] = np.zeros(shape, dtype)
         else:
             out[name] = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=shape)

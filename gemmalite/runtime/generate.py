@@ -9,8 +9,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..errors import ContextError
+from ..errors import ContextError, InputError, NumericalError
 from ..tokenizer import Tokenizer
+from . import inputs
 from .cache import KVState
 from .engine import Engine, SoftTokens
 from .sampling import Sampler, SamplingParams
@@ -32,24 +33,31 @@ class GenerationDefaults:
 
     @classmethod
     def from_generation_config(cls, gc: dict[str, Any] | None, eos_token_ids: list[int]) -> "GenerationDefaults":
+        """Defaults from a generation_config.json dict; a malformed value is an `InputError` naming it."""
         gc = gc or {}
+        if not isinstance(gc, dict):
+            raise InputError(f"generation config must be a JSON object, got {type(gc).__name__}")
         eos = gc.get("eos_token_id", [])
-        stop = list(dict.fromkeys([*eos_token_ids, *(eos if isinstance(eos, list) else [eos])]))
+        stop = [*eos_token_ids, *(eos if isinstance(eos, list) else [eos])]
+        stop_ids = list(dict.fromkeys(inputs.integer(s, "eos_token_id", 0) for s in stop if s is not None))
         if not gc.get("do_sample", False):
-            return cls(stop_ids=[int(s) for s in stop if s is not None])
-        return cls(temperature=float(gc.get("temperature", 1.0)), top_k=gc.get("top_k"), top_p=gc.get("top_p"),
-                   min_p=gc.get("min_p"), repetition_penalty=gc.get("repetition_penalty"),
-                   stop_ids=[int(s) for s in stop if s is not None])
+            return cls(stop_ids=stop_ids)
+        d = cls(temperature=gc.get("temperature", 1.0), top_k=gc.get("top_k"), top_p=gc.get("top_p"),
+                min_p=gc.get("min_p"), repetition_penalty=gc.get("repetition_penalty"), stop_ids=stop_ids)
+        p = d.params()  # checks every value
+        return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                   repetition_penalty=p.repetition_penalty, stop_ids=stop_ids)
 
     def params(self, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
                seed=None) -> SamplingParams:
-        """`SamplingParams` from a call's options, these defaults filling what it leaves out."""
+        """`SamplingParams` from a call's options, these defaults filling what it leaves out
+        (`SamplingParams` checks each option's type and range)."""
         return SamplingParams(
-            temperature=self.temperature if temperature is None else float(temperature),
-            top_k=self.top_k if top_k is None else int(top_k),
-            top_p=self.top_p if top_p is None else float(top_p),
-            min_p=self.min_p if min_p is None else float(min_p),
-            repetition_penalty=self.repetition_penalty if repetition_penalty is None else float(repetition_penalty),
+            temperature=self.temperature if temperature is None else temperature,
+            top_k=self.top_k if top_k is None else top_k,
+            top_p=self.top_p if top_p is None else top_p,
+            min_p=self.min_p if min_p is None else min_p,
+            repetition_penalty=self.repetition_penalty if repetition_penalty is None else repetition_penalty,
             seed=seed,
         )
 
@@ -83,14 +91,22 @@ class Stream:
         self._it.close()
 
 
-def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: bool) -> np.ndarray:
-    """The prompt as it will run: as is when it fits in the context, else (``truncate``) its end."""
+def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: bool,
+               bos_id: int | None = None) -> np.ndarray:
+    """The prompt as it will run: as is when it fits in the context, else (``truncate``) its end,
+    leaving ``max_new_tokens`` of room and keeping a leading ``bos_id``."""
     if len(ids) <= context:
         return ids
     if not truncate:
         raise ContextError(f"{len(ids)} tokens do not fit in the context of {context} tokens "
                            f"(load with a larger context=, or pass truncate=True)")
-    return ids[len(ids) - max(1, context - max_new_tokens):]
+    keep_bos = bos_id is not None and int(ids[0]) == bos_id
+    room = context - max_new_tokens - keep_bos
+    if room < 1:
+        raise ContextError(f"truncate=True: max_new_tokens={max_new_tokens} leaves no room for any of the prompt "
+                           f"in the context of {context} tokens (ask for fewer new tokens or load a larger context=)")
+    tail = ids[len(ids) - room:]
+    return np.concatenate([ids[:1], tail]) if keep_bos else tail
 
 
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
@@ -113,6 +129,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     logits = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))[0]
     stats.prefill_s = time.perf_counter() - t0
     for step in range(max_new_tokens):
+        _check_finite(logits, step)
         tok = sampler(logits, history)
         if tok in stop_ids:
             stats.finish_reason = "stop"
@@ -128,18 +145,22 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.decode_s += time.perf_counter() - t0
 
 
-def stop_sets(stop, defaults: GenerationDefaults, tokenizer: Tokenizer | None, chat: bool) -> tuple[set[int], list[str]]:
-    """Stop token ids (the checkpoint's, end-of-turn in chat, ids given) and stop strings."""
+def _check_finite(logits: np.ndarray, step: int) -> None:
+    if not np.isfinite(logits).all():
+        where = "after the prompt" if step == 0 else f"after {step} generated token{'s' * (step > 1)}"
+        raise NumericalError(f"generation step {step}: the logits {where} are not finite (NaN or inf): the "
+                             "weights hold NaN/inf values or the activations overflowed")
+
+
+def stop_sets(stop, defaults: GenerationDefaults, tokenizer: Tokenizer | None, chat: bool,
+              vocab_size: int | None = None) -> tuple[set[int], list[str]]:
+    """Stop token ids (the checkpoint's, end-of-turn in chat, ids given: only without ``chat``
+    and when ``vocab_size`` is known) and stop strings; checked as `inputs.stop` does."""
     ids = set(defaults.stop_ids)
     if chat and tokenizer is not None:
         ids |= {t for s in END_OF_TURN_TOKENS if (t := tokenizer.token_id(s)) is not None}
-    strings: list[str] = []
-    for s in [stop] if isinstance(stop, (str, int)) else (stop or []):
-        if isinstance(s, str):
-            strings.append(s)
-        else:
-            ids.add(int(s))
-    return ids, strings
+    extra, strings = inputs.stop(stop, vocab_size or 0, ids=vocab_size is not None)
+    return ids | extra, strings
 
 
 def cut_tokens_at_strings(tokens: Iterator[int], tokenizer: Tokenizer, stops: list[str],

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import inputs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,16 +22,18 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        """Type and range checks (`InputError` naming the option); values normalised to Python types."""
+        checked = {
+            "temperature": inputs.number(self.temperature, "temperature", 0),
+            "top_k": None if self.top_k is None else inputs.integer(self.top_k, "top_k", 0),
+            "top_p": None if self.top_p is None else inputs.number(self.top_p, "top_p", 0, 1, open_low=True),
+            "min_p": None if self.min_p is None else inputs.number(self.min_p, "min_p", 0, 1),
+            "repetition_penalty": None if self.repetition_penalty is None else
+            inputs.number(self.repetition_penalty, "repetition_penalty", 0, open_low=True),
+            "seed": None if self.seed is None else inputs.integer(self.seed, "seed", 0),
+        }
+        for k, v in checked.items():
+            object.__setattr__(self, k, v)
 
     @property
     def greedy(self) -> bool:

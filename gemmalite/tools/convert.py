@@ -1,29 +1,32 @@
 """`gemmalite convert`: write a self-describing int8/int4 checkpoint that loads by memory-mapping.
 
-Every projection (and the LM head, stored apart from the tied embedding table; and the vision
-tower's projections, under their stored names, when the checkpoint has one) becomes an
+Every projection (and the LM head, stored apart from the tied embedding table) becomes an
 `Int8Matrix` or `Int4Matrix` in the format of `gemmalite.formats.converted`; the embedding and
 PLE tables, norms and scalars are copied as stored. Loading takes well under two seconds.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import CheckpointError
-from ..formats.converted import QUANT_METHOD, format_name
+from ..errors import CheckpointError, InputError
+from ..formats.converted import QUANT_METHOD, format_name, write_manifest
 from ..formats.folder import load_folder, read_config, read_tensors
 from ..formats.safetensors import save_arrays
 from ..models.gemma.config import ModelConfig
 from ..models.gemma.contract import check_tensors, expected_shapes, quantizable
 from ..models.gemma.encoder import EncoderConfig, encoder_shapes, is_encoder_config
-from ..weights.matrix import Matrix
 from ..vision.tower import vision_tensors
+from ..weights.matrix import Matrix
 from ..weights.quant import quantize
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
@@ -38,49 +41,127 @@ def _dense(t: Any) -> np.ndarray:
     return t.dense() if isinstance(t, Matrix) else t
 
 
-def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = True) -> Path:
+def _check_paths(src: Path, out: Path, force: bool) -> Path:
+    """The resolved output folder, after refusing one that would overwrite, hold or lie in the source."""
+    rs, ro = src.resolve(), out.resolve()
+    if ro == rs or rs in ro.parents or ro in rs.parents:
+        rel = "is" if ro == rs else "is inside" if rs in ro.parents else "contains"
+        raise CheckpointError(f"output {out} {rel} the source {src}: choose another folder")
+    if ro.exists() and not ro.is_dir():
+        raise CheckpointError(f"output {out} exists and is not a folder")
+    if ro.is_dir() and any(ro.iterdir()) and not force:
+        raise CheckpointError(f"output {out} is not empty: pass --force (force=True) to replace it")
+    return ro
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would change it for every thread a moment)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        return 0o022
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Put the finished folder ``tmp`` at ``out`` by renames; an existing ``out`` is replaced whole (in one
+    atomic swap where the system has one: it then ends up at ``tmp``, which the caller removes)."""
+    if out.exists() and not _exchange(tmp, out):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "x")
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    elif not out.exists():
+        os.rename(tmp, out)
+    _fsync(out.parent)
+
+
+def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = True, force: bool = False) -> Path:
+    """Write ``src`` (a Hugging Face folder) as an int8/int4 checkpoint at ``out``.
+
+    All or nothing: the files go into a temporary folder beside ``out``, are flushed to disk with
+    the manifest last, and the folder is renamed into place; on any error or interruption the
+    temporary folder is removed and ``out`` is as it was. ``out`` must not be, hold or lie in
+    ``src``, and must be empty or absent unless ``force`` (which replaces it whole)."""
     src, out = Path(src), Path(out)
     if quant not in ("int8", "int4"):
-        raise ValueError(f"quant must be int8 or int4, got {quant!r}")
+        raise InputError(f"quant must be int8 or int4, got {quant!r}")
     if not src.is_dir():
         raise CheckpointError(f"{src}: convert takes a Hugging Face checkpoint folder")
+    target = _check_paths(src, out, force)
     encoder = is_encoder_config(read_config(src))  # EmbeddingGemma 2: the encoder's config and contract
     cfg, tensors, raw = load_folder(src, parse=EncoderConfig.from_hf if encoder else ModelConfig.from_hf)
     if isinstance(raw.get("quantization_config"), dict):
         raise CheckpointError(f"{src} is already quantized ({raw['quantization_config'].get('quant_method')})")
     shapes = encoder_shapes(cfg) if encoder else expected_shapes(cfg)
     check_tensors(cfg, tensors, str(src), shapes=shapes)
-    names = list(shapes)
-    jobs = quantizable(cfg, shapes)
-    if cfg.tie_word_embeddings and not encoder:
-        jobs.append("lm_head.weight")
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
+        _write(src, tmp, cfg, shapes, tensors, raw, quant, progress, lm_head=not encoder)
+        for f in tmp.rglob("*"):  # every file and folder
+            _fsync(f)
+        write_manifest(tmp)
+        _fsync(tmp)
+        _check_paths(src, out, force)  # nothing appeared at out meanwhile
+        _install(tmp, target)
+    except OSError as e:
+        what = "no space left on the device" if e.errno == errno.ENOSPC else \
+            "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else e.strerror or str(e)
+        raise CheckpointError(f"cannot write {out}: {what} ({e.filename or target.parent}); nothing was "
+                              "written") from e
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write(src: Path, out: Path, cfg, shapes: dict, tensors: dict[str, Any], raw: dict, quant: str, progress: bool,
+           *, lm_head: bool) -> None:
+    """The converted checkpoint's files, written into the (empty, temporary) folder ``out``: the text
+    model's tensors (named by its contract ``shapes``, prefix-free) and a vision tower's (under their
+    stored names); ``lm_head`` stores a quantized LM head apart from a tied embedding table."""
+    stored = read_tensors(src, raw)
+    vision, vision_rest = vision_tensors(stored, raw)
+    jobs = {name: tensors[name] for name in quantizable(cfg, shapes)}
+    if lm_head and cfg.tie_word_embeddings:
+        jobs["lm_head.weight"] = tensors["embed_tokens.weight"]
+    jobs |= {name: stored[name] for name in vision}
     arrays: dict[str, np.ndarray] = {}
     formats: dict[str, str] = {}
-    for name in tqdm(jobs, desc=f"quantizing to {quant}", disable=not progress, unit="tensor"):
-        source = tensors["embed_tokens.weight" if name == "lm_head.weight" and name not in tensors else name]
-        m = quantize(_dense(source), quant)
+    for name, t in tqdm(jobs.items(), desc=f"quantizing to {quant}", disable=not progress, unit="tensor"):
+        m = quantize(_dense(t), quant)
         for part, a in m.tensors().items():
             arrays[f"{name}.{part}"] = a
         formats[name] = format_name(m)
-    for name in names:
-        if name not in formats:
-            arrays[name] = np.asarray(tensors[name])
-    stored = read_tensors(src, raw)  # the vision tower, under its stored names
-    projections, rest = vision_tensors(stored, raw)
-    for name in tqdm(projections, desc=f"vision tower to {quant}", disable=not progress or not projections, unit="tensor"):
-        m = quantize(_dense(stored[name]), quant)
-        for part, a in m.tensors().items():
-            arrays[f"{name}.{part}"] = a
-        formats[name] = format_name(m)
-    for name in rest:
-        arrays[name] = np.asarray(stored[name])
-    out.mkdir(parents=True, exist_ok=True)
+    arrays |= {name: np.asarray(tensors[name]) for name in shapes if name not in formats}
+    arrays |= {name: np.asarray(stored[name]) for name in vision_rest}
     save_arrays(out, arrays, progress=progress)
     config = dict(raw)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "default": quant, "formats": formats}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in SIDE_FILES:
-        if (src / f).exists():
+        if (src / f).is_file():
             (out / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / f, out / f)
-    return out
+            shutil.copyfile(src / f, out / f)

@@ -101,13 +101,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config dict (top-level or nested ``text_config``)."""
+        """Build from a Hugging Face config dict (top-level or nested ``text_config``); every field
+        is type- and range-checked, a bad one raises `ConfigError` naming it."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"the config must be a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type", "")
         text = cfg.get("text_config") if model_type in ("gemma4", "gemma3") else cfg
         if not isinstance(text, dict):
-            raise ConfigError(f"config of model_type {model_type!r} has no text_config")
-        text_type = text.get("model_type") or (model_type + "_text")
-        if model_type.startswith("embedding_gemma2"):
+            raise ConfigError(f"config of model_type {model_type!r} has no text_config object")
+        text_type = text.get("model_type") or (f"{model_type}_text" if isinstance(model_type, str) else "")
+        if isinstance(model_type, str) and model_type.startswith("embedding_gemma2"):
             raise ConfigError(f"model_type {model_type!r} is an EmbeddingGemma 2 encoder: load it with "
                               "gemmalite.load_embedder (or `gemmalite embed`)")
         if text_type not in ("gemma4_text", "gemma3_text"):
@@ -118,21 +121,74 @@ class ModelConfig:
         return _parse_text(text, family)
 
 
-def _req(d: dict, key: str) -> Any:
-    if d.get(key) is None:
-        raise ConfigError(f"config field {key!r} is missing")
-    return d[key]
+# Upper bounds far above any Gemma, low enough that a corrupted value cannot allocate the machine away
+MAX_LAYERS, MAX_WIDTH, MAX_HEADS, MAX_VOCAB, MAX_POSITIONS = 1024, 1 << 17, 1024, 1 << 24, 1 << 31
+_MISSING = object()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) or \
+        isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
+
+
+def _int(d: dict, key: str, lo: int, hi: int, default: Any = _MISSING, *, what: str = "") -> int:
+    """``d[key]`` as an int in ``[lo, hi]`` (null counts as absent); ConfigError naming the field otherwise."""
+    v = d.get(key)
+    name = what or key
+    if v is None:
+        if default is _MISSING:
+            raise ConfigError(f"config field {name!r} is missing")
+        return default
+    if not _is_int(v):
+        raise ConfigError(f"config field {name!r} must be an integer, got {v!r}")
+    if not lo <= int(v) <= hi:
+        raise ConfigError(f"config field {name!r} must be between {lo} and {hi}, got {int(v)}")
+    return int(v)
+
+
+def _float(d: dict, key: str, lo: float, hi: float, default: Any = _MISSING, *, what: str = "",
+           open_low: bool = False) -> float:
+    """``d[key]`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``open_low``)."""
+    v = d.get(key)
+    name = what or key
+    if v is None:
+        if default is _MISSING:
+            raise ConfigError(f"config field {name!r} is missing")
+        return default
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(v):
+        raise ConfigError(f"config field {name!r} must be a finite number, got {v!r}")
+    if not (lo < v if open_low else lo <= v) or v > hi:
+        raise ConfigError(f"config field {name!r} must be in {'(' if open_low else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _bool(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (bool, np.bool_)):
+        raise ConfigError(f"config field {key!r} must be true or false, got {v!r}")
+    return bool(v)
+
+
+def _token_id(d: dict, key: str, vocab: int, default: Any) -> Any:
+    if key not in d:
+        return default
+    return _int(d, key, 0, vocab - 1, None)
 
 
 def _layer_types(text: dict, n: int, family: str) -> list[str]:
     types = text.get("layer_types")
     if types is None:
-        pattern = int(text.get("sliding_window_pattern", 6))
+        pattern = _int(text, "sliding_window_pattern", 1, MAX_LAYERS, 6)
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    if not isinstance(types, list):
+        raise ConfigError(f"config field 'layer_types' must be a list, got {type(types).__name__}")
     types = list(types)
     if len(types) != n:
         raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
-    bad = set(types) - {SLIDING, FULL}
+    bad = {repr(t) for t in types if t not in (SLIDING, FULL)}
     if bad:
         raise ConfigError(f"unsupported layer types {sorted(bad)}")
     if family == "gemma4":
@@ -143,6 +199,9 @@ def _layer_types(text: dict, n: int, family: str) -> list[str]:
 def _rope_params(text: dict, family: str) -> dict[str, dict]:
     rp = text.get("rope_parameters")
     if isinstance(rp, dict) and (SLIDING in rp or FULL in rp):
+        bad = [k for k, v in rp.items() if v is not None and not isinstance(v, dict)]
+        if bad:
+            raise ConfigError(f"config field 'rope_parameters.{bad[0]}' must be an object")
         return {k: dict(v or {}) for k, v in rp.items()}
     if family == "gemma4":
         return {
@@ -150,23 +209,26 @@ def _rope_params(text: dict, family: str) -> dict[str, dict]:
             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
         }
     # Gemma 3 legacy keys: rope_theta (global), rope_local_base_freq, rope_scaling (global layers only)
-    full = {"rope_type": "default", "rope_theta": float(text.get("rope_theta", 1_000_000.0))}
+    full = {"rope_type": "default", "rope_theta": _float(text, "rope_theta", 0, 1e12, 1_000_000.0, open_low=True)}
     if isinstance(text.get("rope_scaling"), dict):
         full.update(text["rope_scaling"])
-    local = {"rope_type": "default", "rope_theta": float(text.get("rope_local_base_freq", 10_000.0))}
+    local = {"rope_type": "default",
+             "rope_theta": _float(text, "rope_local_base_freq", 0, 1e12, 10_000.0, open_low=True)}
     return {SLIDING: local, FULL: full}
 
 
-def _rope_spec(params: dict, head_dim: int) -> RopeSpec:
+def _rope_spec(params: dict, head_dim: int, layer_type: str) -> RopeSpec:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "proportional", "linear"):
         raise ConfigError(f"unsupported rope_type {rope_type!r}")
+    where = f"rope_parameters.{layer_type}."
     return RopeSpec(
         rope_type=rope_type,
-        theta=float(_req(params, "rope_theta")),
+        theta=_float(params, "rope_theta", 0, 1e12, what=where + "rope_theta", open_low=True),
         head_dim=head_dim,
-        factor=float(params.get("factor", 1.0) or 1.0),
-        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0) or 1.0),
+        factor=_float(params, "factor", 0, 1e6, 1.0, what=where + "factor", open_low=True) if params.get("factor") else 1.0,
+        partial_rotary_factor=_float(params, "partial_rotary_factor", 0, 1, 1.0, what=where + "partial_rotary_factor",
+                                     open_low=True) if params.get("partial_rotary_factor") else 1.0,
     )
 
 
@@ -185,6 +247,26 @@ def _kv_sources(types: list[str], shared: int) -> list[int]:
     return sources
 
 
+def _overrides(text: dict, types: list[str], k_eq_v: bool, nq: int) -> dict[int, dict]:
+    """Per-layer head size / KV heads (Gemma 4): `per_layer_config` when saved by transformers,
+    else the hub builder keys `global_head_dim` (default 512) / `num_global_key_value_heads`."""
+    n = len(types)
+    plc = text.get("per_layer_config")
+    if plc is not None:
+        if not isinstance(plc, dict):
+            raise ConfigError("config field 'per_layer_config' must be an object")
+        out: dict[int, dict] = {}
+        for k, v in plc.items():
+            if not (isinstance(k, str) and k.isdigit() and int(k) < n) or not isinstance(v, dict):
+                raise ConfigError(f"config field 'per_layer_config' has a malformed entry {k!r}")
+            out[int(k)] = v
+        return out
+    o: dict[str, Any] = {"head_dim": _int(text, "global_head_dim", 2, 8192, 512)}
+    if k_eq_v and text.get("num_global_key_value_heads") is not None:
+        o["num_key_value_heads"] = _int(text, "num_global_key_value_heads", 1, nq)
+    return {i: o for i, t in enumerate(types) if t == FULL}
+
+
 def _parse_text(text: dict, family: str) -> ModelConfig:
     if text.get("enable_moe_block"):
         raise ConfigError("enable_moe_block: mixture-of-experts Gemma 4 models are not supported")
@@ -196,37 +278,31 @@ def _parse_text(text: dict, family: str) -> ModelConfig:
     if text.get("attn_logit_softcapping") is not None:
         raise ConfigError("attn_logit_softcapping is not supported")
 
-    n = int(_req(text, "num_hidden_layers"))
-    hidden = int(_req(text, "hidden_size"))
-    nq = int(_req(text, "num_attention_heads"))
-    head_dim = int(text.get("head_dim") or hidden // nq)
-    kv_heads = int(text.get("num_key_value_heads") or nq)
-    inter = int(_req(text, "intermediate_size"))
+    n = _int(text, "num_hidden_layers", 1, MAX_LAYERS)
+    hidden = _int(text, "hidden_size", 1, MAX_WIDTH)
+    nq = _int(text, "num_attention_heads", 1, MAX_HEADS)
+    vocab = _int(text, "vocab_size", 1, MAX_VOCAB)
+    head_dim = _int(text, "head_dim", 2, 8192, None) or hidden // nq
+    if head_dim < 2:
+        raise ConfigError(f"config has no head_dim and hidden_size {hidden} / {nq} heads gives {head_dim}")
+    kv_heads = _int(text, "num_key_value_heads", 1, nq, None) or nq
+    inter = _int(text, "intermediate_size", 1, MAX_WIDTH * 8)
     types = _layer_types(text, n, family)
     rope = _rope_params(text, family)
 
-    shared = int(text.get("num_kv_shared_layers") or 0) if family == "gemma4" else 0
+    shared = _int(text, "num_kv_shared_layers", 0, n - 1, 0) if family == "gemma4" else 0
     sources = _kv_sources(types, shared)
-    k_eq_v = bool(text.get("attention_k_eq_v")) and family == "gemma4"
-    double = bool(text.get("use_double_wide_mlp")) and family == "gemma4"
-
-    # Per-layer head size / KV heads (Gemma 4): `per_layer_config` when saved by transformers,
-    # else the hub builder keys `global_head_dim` (default 512) / `num_global_key_value_heads`.
-    overrides: dict[int, dict] = {}
-    if family == "gemma4":
-        if "per_layer_config" in text and text["per_layer_config"] is not None:
-            overrides = {int(k): dict(v) for k, v in text["per_layer_config"].items()}
-        else:
-            o: dict[str, Any] = {"head_dim": int(text.get("global_head_dim") or 512)}
-            if k_eq_v and text.get("num_global_key_value_heads") is not None:
-                o["num_key_value_heads"] = int(text["num_global_key_value_heads"])
-            overrides = {i: o for i, t in enumerate(types) if t == FULL}
+    k_eq_v = _bool(text, "attention_k_eq_v", False) and family == "gemma4"
+    double = _bool(text, "use_double_wide_mlp", False) and family == "gemma4"
+    overrides = _overrides(text, types, k_eq_v, nq) if family == "gemma4" else {}
 
     layers: list[LayerSpec] = []
     for i in range(n):
         o = overrides.get(i, {})
-        d = int(o.get("head_dim", head_dim))
-        kv = int(o.get("num_key_value_heads", kv_heads))
+        d = _int(o, "head_dim", 2, 8192, head_dim, what=f"per_layer_config.{i}.head_dim")
+        kv = _int(o, "num_key_value_heads", 1, nq, kv_heads, what=f"per_layer_config.{i}.num_key_value_heads")
+        if d % 2:
+            raise ConfigError(f"layer {i}: head size {d} is odd (rotary embeddings need pairs)")
         if nq % kv:
             raise ConfigError(f"layer {i}: {nq} attention heads are not a multiple of {kv} KV heads")
         params = rope.get(types[i])
@@ -241,7 +317,7 @@ def _parse_text(text: dict, family: str) -> ModelConfig:
                 intermediate_size=inter * (2 if double and sources[i] != i else 1),
                 kv_source=sources[i],
                 k_eq_v=k_eq_v and types[i] == FULL,
-                rope=_rope_spec(params, d),
+                rope=_rope_spec(params, d, types[i]),
             )
         )
     for spec in layers:  # a consumer attends with the producer's geometry
@@ -250,29 +326,32 @@ def _parse_text(text: dict, family: str) -> ModelConfig:
             raise ConfigError(f"KV-shared layer {spec.index} geometry differs from its producer {src.index}")
 
     eos = text.get("eos_token_id", 1)
-    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    ple = int(text.get("hidden_size_per_layer_input") or 0) if family == "gemma4" else 0
-    softcap = text.get("final_logit_softcapping")
+    eos_list = eos if isinstance(eos, list) else [eos]
+    eos_ids = [_int({"eos_token_id": e}, "eos_token_id", 0, vocab - 1) for e in eos_list if e is not None]
+    ple = _int(text, "hidden_size_per_layer_input", 0, MAX_WIDTH, 0) if family == "gemma4" else 0
+    softcap = _float(text, "final_logit_softcapping", 0, 1e6, None, open_low=True) \
+        if text.get("final_logit_softcapping") else None
     return ModelConfig(
         family=family,
         hidden_size=hidden,
         num_hidden_layers=n,
         num_attention_heads=nq,
-        vocab_size=int(_req(text, "vocab_size")),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        sliding_window=int(text.get("sliding_window") or 4096),
-        max_position_embeddings=int(text.get("max_position_embeddings") or 131072),
-        attn_scale=1.0 if family == "gemma4" else float(text.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        vocab_size=vocab,
+        rms_norm_eps=_float(text, "rms_norm_eps", 0, 1, 1e-6),
+        sliding_window=_int(text, "sliding_window", 1, MAX_POSITIONS, None) or 4096,
+        max_position_embeddings=_int(text, "max_position_embeddings", 1, MAX_POSITIONS, None) or 131072,
+        attn_scale=1.0 if family == "gemma4" else
+        _float(text, "query_pre_attn_scalar", 0, 1e9, float(head_dim), open_low=True) ** -0.5,
         norm_offset=0.0 if family == "gemma4" else 1.0,
         v_norm=family == "gemma4",
-        final_logit_softcapping=float(softcap) if softcap else None,
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", True)),
-        attention_bias=bool(text.get("attention_bias", False)),
+        final_logit_softcapping=softcap,
+        tie_word_embeddings=_bool(text, "tie_word_embeddings", True),
+        attention_bias=_bool(text, "attention_bias", False),
         ple_dim=ple,
-        ple_vocab=int(text.get("vocab_size_per_layer_input") or text.get("vocab_size")) if ple else 0,
-        bos_token_id=text.get("bos_token_id", 2),
+        ple_vocab=_int(text, "vocab_size_per_layer_input", 1, MAX_VOCAB, None) or vocab if ple else 0,
+        bos_token_id=_token_id(text, "bos_token_id", vocab, 2),
         eos_token_ids=eos_ids,
-        pad_token_id=text.get("pad_token_id", 0),
+        pad_token_id=_token_id(text, "pad_token_id", vocab, 0),
         layers=layers,
         raw=text,
     )
