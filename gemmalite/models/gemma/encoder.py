@@ -22,7 +22,8 @@ import numpy as np
 from ...errors import ConfigError
 from ...kernels.ops import attention, rms_norm, rope_tables
 from ...weights.matrix import Matrix
-from .config import FULL, SLIDING, SUPPORTED_ACTIVATIONS, LayerSpec, ModelConfig, _layer_types, _req, _rope_spec
+from .config import (FULL, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, SLIDING, SUPPORTED_ACTIVATIONS,
+                     LayerSpec, ModelConfig, _bool, _float, _int, _layer_types, _overrides, _rope_spec)
 from .contract import expected_shapes
 from .graph import LayerWeights, PLEWeights, layer_step
 
@@ -60,55 +61,59 @@ def _parse_encoder(text: dict) -> EncoderConfig:
     act = text.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in SUPPORTED_ACTIVATIONS:
         raise ConfigError(f"unsupported hidden_activation {act!r}")
-    n = int(_req(text, "num_hidden_layers"))
-    hidden = int(_req(text, "hidden_size"))
-    nq = int(_req(text, "num_attention_heads"))
-    head_dim = int(text.get("head_dim") or hidden // nq)
-    kv_heads = int(text.get("num_key_value_heads") or nq)
-    inter = int(_req(text, "intermediate_size"))
-    ple = int(text.get("hidden_size_per_layer_input") or 0)
+    n = _int(text, "num_hidden_layers", 1, MAX_LAYERS)
+    hidden = _int(text, "hidden_size", 1, MAX_WIDTH)
+    nq = _int(text, "num_attention_heads", 1, MAX_HEADS)
+    vocab = _int(text, "vocab_size", 1, MAX_VOCAB)
+    head_dim = _int(text, "head_dim", 2, 8192, None) or hidden // nq
+    kv_heads = _int(text, "num_key_value_heads", 1, nq, None) or nq
+    inter = _int(text, "intermediate_size", 1, MAX_WIDTH * 8)
+    ple = _int(text, "hidden_size_per_layer_input", 0, MAX_WIDTH, 0)
     if ple <= 0:
         raise ConfigError("hidden_size_per_layer_input must be positive (EmbeddingGemma 2 always has PLE)")
-    window = int(text.get("sliding_window") or 512)
-    if window < 1:
-        raise ConfigError(f"sliding_window must be at least 1, got {window}")
+    window = _int(text, "sliding_window", 1, MAX_POSITIONS, None) or 512
     types = _layer_types(text, n, "gemma4")  # the last layer is forced full, as transformers does
     rope = text.get("rope_parameters") or DEFAULT_ROPE
+    if not isinstance(rope, dict):
+        raise ConfigError("config field 'rope_parameters' must be an object")
     # per_layer_config as saved by transformers, else the builder keys; for EmbeddingGemma 2 the
     # KV-head override applies to full layers unconditionally (default 1), unlike Gemma 4.
     if text.get("per_layer_config") is not None:
-        overrides = {int(k): dict(v) for k, v in text["per_layer_config"].items()}
+        overrides = _overrides(text, types, False, nq)
     else:
-        o = {"head_dim": int(text.get("global_head_dim") or 512),
-             "num_key_value_heads": int(text.get("num_global_key_value_heads") or 1)}
+        o = {"head_dim": _int(text, "global_head_dim", 2, 8192, 512),
+             "num_key_value_heads": _int(text, "num_global_key_value_heads", 1, nq, 1)}
         overrides = {i: o for i, t in enumerate(types) if t == FULL}
     layers = []
     for i in range(n):
-        d = int(overrides.get(i, {}).get("head_dim", head_dim))
-        kv = int(overrides.get(i, {}).get("num_key_value_heads", kv_heads))
+        o = overrides.get(i, {})
+        d = _int(o, "head_dim", 2, 8192, head_dim, what=f"per_layer_config.{i}.head_dim")
+        kv = _int(o, "num_key_value_heads", 1, nq, kv_heads, what=f"per_layer_config.{i}.num_key_value_heads")
+        if d % 2:
+            raise ConfigError(f"layer {i}: head size {d} is odd (rotary embeddings need pairs)")
         if nq % kv:
             raise ConfigError(f"layer {i}: {nq} attention heads are not a multiple of {kv} KV heads")
         params = rope.get(types[i])
-        if params is None:
+        if not isinstance(params, dict):
             raise ConfigError(f"rope_parameters has no entry for {types[i]}")
         layers.append(LayerSpec(index=i, layer_type=types[i], head_dim=d, num_kv_heads=kv, intermediate_size=inter,
-                                kv_source=i, k_eq_v=False, rope=_rope_spec(params, d)))
+                                kv_source=i, k_eq_v=False, rope=_rope_spec(params, d, types[i])))
     eos = text.get("eos_token_id", 1)
     return EncoderConfig(
         family="embedding_gemma2",
         hidden_size=hidden,
         num_hidden_layers=n,
         num_attention_heads=nq,
-        vocab_size=int(_req(text, "vocab_size")),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        vocab_size=vocab,
+        rms_norm_eps=_float(text, "rms_norm_eps", 0, 1, 1e-6),
         sliding_window=window,
-        max_position_embeddings=int(text.get("max_position_embeddings") or 262144),
+        max_position_embeddings=_int(text, "max_position_embeddings", 1, MAX_POSITIONS, None) or 262144,
         attn_scale=1.0,
         norm_offset=0.0,
         v_norm=True,
         final_logit_softcapping=None,
         tie_word_embeddings=True,  # no LM head: nothing is read or written for one
-        attention_bias=bool(text.get("attention_bias", False)),
+        attention_bias=_bool(text, "attention_bias", False),
         ple_dim=ple,
         ple_vocab=0,
         bos_token_id=text.get("bos_token_id", 2),
@@ -116,7 +121,7 @@ def _parse_encoder(text: dict) -> EncoderConfig:
         pad_token_id=text.get("pad_token_id", 0),
         layers=layers,
         raw=text,
-        embedding_dim=int(text.get("embedding_dim") or 768),
+        embedding_dim=_int(text, "embedding_dim", 1, MAX_WIDTH, None) or 768,
     )
 
 
