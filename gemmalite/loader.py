@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import CheckpointError, TokenizerError
+from .errors import CheckpointError, ConfigError, TokenizerError
 from .formats.folder import load_folder
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
@@ -18,7 +18,7 @@ from .model import Model
 from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
-from .runtime.engine import Engine
+from .runtime.engine import Engine, check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
 
@@ -40,12 +40,16 @@ def resolve(path: str | Path) -> Path:
     return target if target.exists() else pkg.assemble(target)
 
 
-def load(path: str | Path, *, context: int | None = None, quant: str | None = None) -> Model:
+def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
+         threads: int | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
-    min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4"."""
-    p = resolve(path)
+    min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
+    ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
+    capped to the same number process-wide)."""
     if quant not in QUANT_KINDS:
         raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+    check_threads(threads)
+    p = resolve(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     if p.is_file():
@@ -53,7 +57,8 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
             raise CheckpointError(f"{p}: not a GGUF file or a checkpoint folder")
         cfg, tensors, tokenizer, gen = load_gguf_parts(p)
     else:
-        cfg, tensors, _ = load_folder(p)
+        cfg, tensors, raw = load_folder(p)
+        _check_requantize(p, raw, quant)
         tokenizer = load_tokenizer_folder(p)
         gen = _read_json(p / "generation_config.json")
     check_tensors(cfg, tensors, str(p))
@@ -62,13 +67,15 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     w = build_weights(cfg, tensors, quant)
     engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
-                    context=resolve_context(context, cfg))
+                    context=resolve_context(context, cfg), threads=threads)
+    limit_blas_threads(threads)
     return Model(cfg, engine, tokenizer, GenerationDefaults.from_generation_config(gen, cfg.eos_token_ids), str(p))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A tokenizer from a tokenizer.json, a checkpoint folder, or a GGUF file (vocabulary-only too)."""
-    p = Path(path)
+    """A tokenizer from a tokenizer.json, a checkpoint folder, a GGUF file (vocabulary-only too),
+    or a bundled model's name (``gemma3-270m``)."""
+    p = resolve(path)
     if p.is_dir():
         tok = load_tokenizer_folder(p)
         if tok is None:
@@ -86,6 +93,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{p}: cannot be read as tokenizer.json ({e})") from None
     raise TokenizerError(f"{p}: no such tokenizer file or folder")
+
+
+def _check_requantize(p: Path, raw: dict, quant: str | None) -> None:
+    """A converted checkpoint keeps its own quantization: asking for another is an error, not ignored."""
+    stored = (raw.get("quantization_config") or {}).get("default") if isinstance(raw.get("quantization_config"), dict) else None
+    if stored and quant and quant != stored:
+        raise ConfigError(f"{p} is already quantized to {stored}; quant={quant!r} cannot requantize it "
+                          f"(convert the original checkpoint with --quant {quant}, or load without quant)")
 
 
 def _read_json(path: Path) -> dict | None:

@@ -28,3 +28,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: a clean stop, not a traceback
+        print("\ngemmalite: interrupted", file=sys.stderr)
+        return 130

@@ -27,6 +27,32 @@ from .cache import KVState
 COMPUTE_LOCK = threading.RLock()
 
 
+def check_threads(threads: int | None) -> int | None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    return threads
+
+
+def use_threads(threads: int | None) -> None:
+    """Compute threads for the steps this thread runs next (numba's count is per calling thread):
+    ``threads``, capped at the pool numba started with; None = that pool (the CPUs this process
+    may use). OpenBLAS is capped process-wide by `limit_blas_threads`."""
+    import numba
+
+    numba.set_num_threads(min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+
+
+def limit_blas_threads(threads: int | None) -> None:
+    """Cap OpenBLAS (numpy's BLAS) threads process-wide; None leaves it as it is."""
+    if threads is None:
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional: without it BLAS keeps its own count
+        return
+    threadpool_limits(threads, user_api="blas")
+
+
 class Graph(Protocol):
     def new_state(self, context: int) -> KVState: ...
 
@@ -38,7 +64,8 @@ class Engine:
     """Shared, read-only weights and the public step functions over a `KVState`."""
 
     def __init__(self, graph: Graph, embed: Matrix, lm_head: Matrix, ple_table: Matrix | None, *,
-                 vocab_size: int, embed_scale: float, ple_scale: float, softcap: float | None, context: int):
+                 vocab_size: int, embed_scale: float, ple_scale: float, softcap: float | None, context: int,
+                 threads: int | None = None):
         self.graph = graph
         self.embed = embed
         self.lm_head = lm_head
@@ -48,6 +75,7 @@ class Engine:
         self.ple_scale = np.float32(ple_scale)
         self.softcap = softcap
         self.context = context
+        self.threads = check_threads(threads)  # compute threads per step; None = every usable CPU
 
     def new_state(self) -> KVState:
         """Empty KV caches for one sequence of up to ``context`` tokens."""
@@ -59,6 +87,7 @@ class Engine:
         default). Host row lookups, then the graph; the ids are recorded in ``state.tokens``."""
         ids = np.asarray(ids, dtype=np.int64)
         with COMPUTE_LOCK:
+            use_threads(self.threads)
             x0 = self.embed.rows(ids) * self.embed_scale
             ple = self.ple_table.rows(ids) * self.ple_scale if self.ple_table is not None else None
             h = self.graph.forward(state, x0, ple, keep=keep, capture=capture)
@@ -72,6 +101,7 @@ class Engine:
     def logits(self, h: np.ndarray) -> np.ndarray:
         """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap)."""
         with COMPUTE_LOCK:
+            use_threads(self.threads)
             return softcap(self.lm_head.matmul(h), self.softcap)
 
     def decode_step(self, state: KVState, token: int) -> np.ndarray:
