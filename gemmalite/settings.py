@@ -115,9 +115,8 @@ def announce_first_compile() -> None:
             global _compile_notice_done
             if not _compile_notice_done:
                 _compile_notice_done = True
-                if os.environ.get("GEMMALITE_QUIET_COMPILE") != "1":
-                    print("gemmalite: preparing kernels for this CPU, first run only (up to a minute)...",
-                          file=sys.stderr, flush=True)
+                print("gemmalite: preparing kernels for this CPU, first run only (up to a minute)...",
+                      file=sys.stderr, flush=True)
 
         def on_end(self, ev):
             pass

@@ -13,7 +13,7 @@ from ..models.gemma.config import ModelConfig
 from ..models.gemma.contract import expected_shapes
 from ..weights.matrix import Matrix
 from .gguf import GGUFError, GGUFFile, TensorInfo, read_gguf
-from .gguf_tokenizer import special_token_info, tokenizer_from_gguf_metadata
+from .gguf_tokenizer import file_cache_key, special_token_info, tokenizer_from_gguf_metadata
 
 
 def hf_config(gf: GGUFFile) -> dict[str, Any]:
@@ -273,4 +273,4 @@ def load_gguf_parts(path: str | os.PathLike):
     info = special_token_info(gf.metadata)
     gen = {"eos_token_id": info["eog_token_ids"], "bos_token_id": info["bos_token_id"],
            "pad_token_id": info["pad_token_id"]}
-    return cfg, hf_tensors(gf), tokenizer_from_gguf_metadata(gf.metadata), gen
+    return cfg, hf_tensors(gf), tokenizer_from_gguf_metadata(gf.metadata, file_cache_key(path)), gen
