@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from ..kernels.ops import softcap
+from ..settings import usable_cpus
 from ..weights.matrix import Matrix
 from .cache import KVState
 
@@ -35,11 +36,12 @@ def check_threads(threads: int | None) -> int | None:
 
 def use_threads(threads: int | None) -> None:
     """Compute threads for the steps this thread runs next (numba's count is per calling thread):
-    ``threads``, capped at the pool numba started with; None = that pool (the CPUs this process
-    may use). OpenBLAS is capped process-wide by `limit_blas_threads`."""
+    ``threads``, capped at the pool numba started with; None = the CPUs this process may use now
+    (its affinity mask). OpenBLAS is capped process-wide by `limit_blas_threads`."""
     import numba
 
-    numba.set_num_threads(min(threads or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+    pool = numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(min(threads or usable_cpus(), pool))
 
 
 def limit_blas_threads(threads: int | None) -> None:
