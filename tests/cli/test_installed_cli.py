@@ -48,7 +48,7 @@ def gl(home: Path, *args: str, stdin: str | None = None, ok: bool = True) -> sub
 @pytest.fixture(scope="module")
 def tiny(home: Path) -> Path:
     r = gl(home, "synth", "--preset", "tiny", "tiny", "-q")
-    assert r.stdout.strip() == f"wrote tiny checkpoint to tiny"
+    assert r.stdout.strip() == "wrote tiny checkpoint to tiny"
     assert (home / "tiny" / "config.json").exists() and (home / "tiny" / "tokenizer.json").exists()
     return home / "tiny"
 
