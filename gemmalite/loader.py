@@ -97,7 +97,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def _check_requantize(p: Path, raw: dict, quant: str | None) -> None:
     """A converted checkpoint keeps its own quantization: asking for another is an error, not ignored."""
-    stored = (raw.get("quantization_config") or {}).get("default") if isinstance(raw.get("quantization_config"), dict) else None
+    qc = raw.get("quantization_config")
+    stored = qc.get("default") if isinstance(qc, dict) else None
     if stored and quant and quant != stored:
         raise ConfigError(f"{p} is already quantized to {stored}; quant={quant!r} cannot requantize it "
                           f"(convert the original checkpoint with --quant {quant}, or load without quant)")
