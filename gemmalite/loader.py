@@ -19,7 +19,7 @@ from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
 from .runtime import inputs
-from .runtime.engine import Engine
+from .runtime.engine import Engine, check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
 from .vision.preprocess import ImageProcessorConfig
@@ -44,15 +44,19 @@ def resolve(path: str | Path) -> Path:
     return target if target.exists() else pkg.assemble(target)
 
 
-def load(path: str | Path, *, context: int | None = None, quant: str | None = None) -> Model:
+def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
+         threads: int | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
-    min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4"."""
+    min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
+    ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
+    capped to the same number process-wide)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a str or a path, got {type(path).__name__}")
     if quant not in QUANT_KINDS:
         raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
     if context is not None:
         inputs.integer(context, "context", 1)
+    check_threads(threads)
     p = resolve(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
@@ -63,6 +67,7 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         cfg, tensors, tokenizer, gen = load_gguf_parts(p)
     else:
         cfg, tensors, raw = load_folder(p)
+        _check_requantize(p, raw, quant)
         vision = _vision(p, raw, quant)
         tokenizer = load_tokenizer_folder(p)
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else None
@@ -76,7 +81,8 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     w = build_weights(cfg, tensors, quant)
     engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
-                    context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0)
+                    context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0, threads=threads)
+    limit_blas_threads(threads)
     return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision)
 
 
@@ -98,8 +104,9 @@ def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A tokenizer from a tokenizer.json, a checkpoint folder, or a GGUF file (vocabulary-only too)."""
-    p = Path(path)
+    """A tokenizer from a tokenizer.json, a checkpoint folder, a GGUF file (vocabulary-only too),
+    or a bundled model's name (``gemma3-270m``)."""
+    p = resolve(path)
     if p.is_dir():
         tok = load_tokenizer_folder(p)
         if tok is None:
@@ -117,6 +124,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{p}: cannot be read as tokenizer.json ({e})") from None
     raise TokenizerError(f"{p}: no such tokenizer file or folder")
+
+
+def _check_requantize(p: Path, raw: dict, quant: str | None) -> None:
+    """A converted checkpoint keeps its own quantization: asking for another is an error, not ignored."""
+    qc = raw.get("quantization_config")
+    stored = qc.get("default") if isinstance(qc, dict) else None
+    if stored and quant and quant != stored:
+        raise ConfigError(f"{p} is already quantized to {stored}; quant={quant!r} cannot requantize it "
+                          f"(convert the original checkpoint with --quant {quant}, or load without quant)")
 
 
 def resolve_context(context: int | None, cfg: ModelConfig) -> int:

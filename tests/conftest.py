@@ -16,6 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # numba's on-disk cache keys a kernel on its own file only: a change in a module it inlines
 # (simd.py's IR generators) would be hidden behind a stale cached kernel. Tests compile afresh.
 os.environ.setdefault("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="gemmalite-numba-"))
+# gemmalite's other caches (tokenizers built from GGUF files, the bundled vocabulary): fresh too,
+# so the tests run the build paths and never write into the user's cache folder.
+os.environ.setdefault("GEMMALITE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmalite-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print("gemmalite: interrupted", file=sys.stderr)
+        print("\ngemmalite: interrupted", file=sys.stderr)
         return 130
     except (ValueError, OSError) as e:  # the project's errors are ValueErrors with a clear message
         if args.debug:

@@ -17,23 +17,60 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--truncate", action="store_true",
+                   help="keep the end of a prompt longer than the context instead of stopping with an error")
+
+
+def threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: the CPUs this process may use; 1 is steadiest on a busy machine)")
+
+
+def use_threads(a: argparse.Namespace) -> None:
+    """--threads for commands that compute without a loaded model (synth, convert)."""
+    from ..runtime.engine import check_threads, limit_blas_threads
+    from ..runtime.engine import use_threads as set_numba
+
+    set_numba(check_threads(a.threads))
+    limit_blas_threads(a.threads)
 
 
 def load_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint folder or .gguf file")
+    p.add_argument("model", help="checkpoint folder, .gguf file, or gemma3-270m (the bundled demo model)")
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
+    threads_arg(p)
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
+                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
+                truncate=a.truncate)
 
 
 def load_model(a: argparse.Namespace):
     import gemmalite
 
-    return gemmalite.load(a.model, context=a.context, quant=a.quant)
+    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads)
+
+
+def stream_out(pieces) -> tuple[str, bool]:
+    """Write a stream of text pieces to stdout as they come; (the text, whether Ctrl-C cut it)."""
+    out: list[str] = []
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            out.append(piece)
+    except KeyboardInterrupt:
+        pieces.close()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print("[stopped]", file=sys.stderr)
+        return "".join(out), True
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(out), False
 
 
 def _user(text: str, images: list[str]) -> dict[str, Any]:
@@ -49,13 +86,15 @@ def cmd_run(a: argparse.Namespace) -> int:
     use_chat = not a.raw and model.tokenizer.chat_template is not None
     if a.image and not use_chat:
         raise ValueError("--image needs the chat template (not --raw)")
+    if not a.raw and not use_chat:
+        print(f"gemmalite: {a.model} has no chat template (a base model): continuing the prompt as plain text",
+              file=sys.stderr)
     t0 = time.perf_counter()
     pieces = model.chat([_user(a.prompt, a.image)], stream=True, **kw) if use_chat else \
         model.generate(a.prompt, stream=True, **kw)
-    for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    _, stopped = stream_out(pieces)
+    if stopped:
+        return 130
     if a.verbose:
         st = pieces.stats
         print(f"[{st.prompt_tokens} prompt tokens: {st.prefill_s:.2f} s; {st.new_tokens} new tokens: "
@@ -68,11 +107,15 @@ def cmd_chat(a: argparse.Namespace) -> int:
     kw = _gen_kwargs(a)
     messages: list[dict[str, Any]] = [{"role": "system", "content": a.system}] if a.system else []
     images: list[str] = []  # attached to the next message
+    if model.tokenizer.chat_template is None:
+        print(f"gemmalite: warning: {a.model} has no chat template of its own (a base model?): using the generic "
+              "Gemma template, and replies may be poor; `gemmalite run` continues plain text", file=sys.stderr)
     print("gemmalite chat: type a message; /image PATH attaches a picture to the next one, /reset starts over, "
-          "/quit or Ctrl-D leaves.", file=sys.stderr)
+          "/quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+    prompt = "> " if sys.stdin.isatty() else ""
     while True:
         try:
-            line = input("> ")
+            line = input(prompt)
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
@@ -90,25 +133,23 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         messages.append(_user(line, images))
         images = []
-        reply = []
         try:
-            for piece in model.chat(messages, stream=True, **kw):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-                reply.append(piece)
+            reply, stopped = stream_out(model.chat(messages, stream=True, **kw))
         except ValueError as e:  # a bad picture (or too long a conversation): say so, keep chatting
             print(f"gemmalite: error: {e}", file=sys.stderr)
             messages.pop()
             continue
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        messages.append({"role": "assistant", "content": reply})
+        if stopped:  # a step may have been cut halfway: the next turn re-reads the conversation
+            model.reset_chat()
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="generate a reply to PROMPT, streamed to stdout")
+    p = sub.add_parser("run", help="generate a reply to PROMPT, streamed to stdout (a base model without a chat "
+                                   "template, like the demo gemma3-270m, continues the text instead)")
     load_args(p)
     p.add_argument("prompt")
-    p.add_argument("--raw", action="store_true", help="continue the prompt text as is (no chat template)")
+    p.add_argument("--raw", action="store_true", help="continue the prompt text as is (no chat template even when there is one)")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="a picture for the prompt (repeatable; needs a checkpoint with a vision tower)")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from .generate import load_args, load_model
+from .generate import load_args, load_model, threads_arg, use_threads
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -20,7 +21,9 @@ def cmd_synth(a: argparse.Namespace) -> int:
     else:
         from ..tools.synth import synth
 
-    out = synth(a.preset, a.out, tokenizer=a.tokenizer, layout=a.layout, seed=a.seed, progress=not a.quiet)
+    use_threads(a)
+    out = synth(a.preset, a.out, tokenizer=a.tokenizer, layout=a.layout, seed=a.seed, progress=not a.quiet,
+                force=a.force)
     print(f"wrote {a.preset} checkpoint to {out}")
     return 0
 
@@ -28,22 +31,20 @@ def cmd_synth(a: argparse.Namespace) -> int:
 def cmd_convert(a: argparse.Namespace) -> int:
     from ..tools.convert import convert
 
-    convert(a.model, a.out, a.quant, progress=not a.quiet, force=a.force)
+    use_threads(a)
+    out = convert(a.model, a.out, a.quant, progress=not a.quiet, force=a.force)
     print(f"wrote {a.out}")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    if qc.get("tied_lm_head"):
+        from ..loader import resolve
+
+        mib = [sum(f.stat().st_size for f in Path(d).glob("*.safetensors")) / 2**20 for d in (resolve(a.model), out)]
+        print(f"{mib[1]:.0f} MiB (source {mib[0]:.0f} MiB): the tied embedding is stored twice, as stored for token "
+              f"lookups and as {a.quant} for the LM head")
     return 0
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    if a.threads:
-        import numba
-
-        numba.set_num_threads(a.threads)
-        try:
-            from threadpoolctl import threadpool_limits
-
-            threadpool_limits(a.threads)
-        except ImportError:
-            pass
     from ..tools.bench import bench, format_table
 
     if _is_encoder_folder(a.model):  # EmbeddingGemma 2: query latency and documents/s instead
@@ -53,7 +54,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(json.dumps(r) if a.json else format_embed_table(r))
         return 0
     r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
-              context=a.context, progress=not a.json)
+              context=a.context, progress=not a.json, threads=a.threads)
     print(json.dumps(r) if a.json else format_table(r))
     return 0
 
@@ -84,15 +85,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Gemma4ForConditionalGeneration (published) or Gemma4ForCausalLM key layout "
                         "(eg2: EmbeddingGemma2Model or EmbeddingGemma2TextModel)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace OUT if it already exists")
     p.add_argument("-q", "--quiet", action="store_true")
+    threads_arg(p)
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("convert", help="write an int8/int4 checkpoint that loads instantly")
-    p.add_argument("model", help="Hugging Face checkpoint folder")
+    p.add_argument("model", help="Hugging Face checkpoint folder (a GGUF file is already quantized: run it directly)")
     p.add_argument("out")
     p.add_argument("--quant", choices=["int8", "int4"], required=True)
     p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("-q", "--quiet", action="store_true")
+    threads_arg(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory (embedders: query ms, texts/s)")
@@ -102,6 +106,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quant", choices=["int8", "int4"], default=None)
     p.add_argument("--context", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    threads_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)

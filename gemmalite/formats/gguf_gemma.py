@@ -14,7 +14,7 @@ from ..models.gemma.config import MAX_LAYERS, ModelConfig
 from ..models.gemma.contract import expected_shapes
 from ..weights.matrix import Matrix
 from .gguf import GGUFError, GGUFFile, TensorInfo, read_gguf
-from .gguf_tokenizer import special_token_info, tokenizer_from_gguf_metadata
+from .gguf_tokenizer import file_cache_key, special_token_info, tokenizer_from_gguf_metadata
 
 
 def hf_config(gf: GGUFFile) -> dict[str, Any]:

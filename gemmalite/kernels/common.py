@@ -8,6 +8,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ..settings import announce_first_compile
+
+announce_first_compile()  # one stderr line when this process first compiles a kernel (not a cache hit)
+
 # Does the host have AVX2 (the 16-bit integer multiply-add the SIMD intrinsics emit)? Without
 # it, products take portable float numba kernels. Read at call time, so tests can force False.
 HAVE_AVX2 = "+avx2" in llvm.get_host_cpu_features().flatten().split(",")

@@ -23,10 +23,38 @@ from typing import Protocol
 import numpy as np
 
 from ..kernels.ops import softcap
+from ..settings import usable_cpus
 from ..weights.matrix import Matrix
 from .cache import KVState
 
 COMPUTE_LOCK = threading.RLock()
+
+
+def check_threads(threads: int | None) -> int | None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    return threads
+
+
+def use_threads(threads: int | None) -> None:
+    """Compute threads for the steps this thread runs next (numba's count is per calling thread):
+    ``threads``, capped at the pool numba started with; None = the CPUs this process may use now
+    (its affinity mask). OpenBLAS is capped process-wide by `limit_blas_threads`."""
+    import numba
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(min(threads or usable_cpus(), pool))
+
+
+def limit_blas_threads(threads: int | None) -> None:
+    """Cap OpenBLAS (numpy's BLAS) threads process-wide; None leaves it as it is."""
+    if threads is None:
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional: without it BLAS keeps its own count
+        return
+    threadpool_limits(threads, user_api="blas")
 
 
 class Graph(Protocol):
@@ -69,7 +97,7 @@ class Engine:
 
     def __init__(self, graph: Graph, embed: Matrix, lm_head: Matrix, ple_table: Matrix | None, *,
                  vocab_size: int, embed_scale: float, ple_scale: float, softcap: float | None, context: int,
-                 pad_id: int = 0):
+                 pad_id: int = 0, threads: int | None = None):
         self.graph = graph
         self.embed = embed
         self.lm_head = lm_head
@@ -80,6 +108,7 @@ class Engine:
         self.softcap = softcap
         self.context = context
         self.pad_id = pad_id
+        self.threads = check_threads(threads)  # compute threads per step; None = every usable CPU
 
     def new_state(self) -> KVState:
         """Empty KV caches for one sequence of up to ``context`` tokens."""
@@ -96,6 +125,7 @@ class Engine:
             look = ids.copy()
             look[soft.rows] = self.pad_id
         with COMPUTE_LOCK:
+            use_threads(self.threads)
             x0 = self.embed.rows(look) * self.embed_scale
             if soft is not None:
                 x0[soft.rows] = soft.vectors
@@ -111,6 +141,7 @@ class Engine:
     def logits(self, h: np.ndarray) -> np.ndarray:
         """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap)."""
         with COMPUTE_LOCK:
+            use_threads(self.threads)
             return softcap(self.lm_head.matmul(h), self.softcap)
 
     def decode_step(self, state: KVState, token: int) -> np.ndarray:
@@ -122,6 +153,7 @@ class Engine:
         row ``b`` exactly ``decode_step(states[b], tokens[b])``'s (continuous batching)."""
         ids = np.asarray(tokens, dtype=np.int64)
         with COMPUTE_LOCK:
+            use_threads(self.threads)
             x0 = self.embed.rows(ids) * self.embed_scale
             ple = self.ple_table.rows(ids) * self.ple_scale if self.ple_table is not None else None
             h = self.graph.forward_batch(states, x0, ple)

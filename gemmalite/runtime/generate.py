@@ -99,7 +99,7 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
         return ids
     if not truncate:
         raise ContextError(f"{len(ids)} tokens do not fit in the context of {context} tokens "
-                           f"(load with a larger context=, or pass truncate=True)")
+                           f"(a larger context: context= / --context; or keep the prompt's end: truncate=True / --truncate)")
     keep_bos = bos_id is not None and int(ids[0]) == bos_id
     room = context - max_new_tokens - keep_bos
     if room < 1:

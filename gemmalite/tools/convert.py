@@ -3,6 +3,13 @@
 Every projection (and the LM head, stored apart from the tied embedding table) becomes an
 `Int8Matrix` or `Int4Matrix` in the format of `gemmalite.formats.converted`; the embedding and
 PLE tables, norms and scalars are copied as stored. Loading takes well under two seconds.
+
+A tied embedding is thus stored twice: as stored (bfloat16) for the row lookups, and quantized
+for the LM head, whose every row each step reads (``quantization_config.tied_lm_head`` says
+so). For a model whose embedding is a large share of it (Gemma 3 270M: two thirds) the output
+is larger than a bfloat16 source; `gemmalite convert` prints both sizes.
+
+Only Hugging Face folders convert: a GGUF file is already quantized, and runs as it is.
 """
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ from tqdm import tqdm
 from ..errors import CheckpointError, InputError
 from ..formats.converted import QUANT_METHOD, format_name, write_manifest
 from ..formats.folder import load_folder, read_config, read_tensors
+from ..formats.gguf import is_gguf
 from ..formats.safetensors import save_arrays
+from ..loader import resolve
 from ..models.gemma.config import ModelConfig
 from ..models.gemma.contract import check_tensors, expected_shapes, quantizable
 from ..models.gemma.encoder import EncoderConfig, encoder_shapes, is_encoder_config
@@ -102,9 +111,12 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
     the manifest last, and the folder is renamed into place; on any error or interruption the
     temporary folder is removed and ``out`` is as it was. ``out`` must not be, hold or lie in
     ``src``, and must be empty or absent unless ``force`` (which replaces it whole)."""
-    src, out = Path(src), Path(out)
+    given, src, out = str(src), resolve(src), Path(out)
     if quant not in ("int8", "int4"):
         raise InputError(f"quant must be int8 or int4, got {quant!r}")
+    if src.is_file() and is_gguf(src):
+        raise CheckpointError(f"{given}: a GGUF file is already quantized, and convert takes a Hugging Face checkpoint "
+                              f"folder: run the GGUF directly (gemmalite run {given}), or requantize on load (--quant {quant})")
     if not src.is_dir():
         raise CheckpointError(f"{src}: convert takes a Hugging Face checkpoint folder")
     target = _check_paths(src, out, force)
@@ -150,16 +162,23 @@ def _write(src: Path, out: Path, cfg, shapes: dict, tensors: dict[str, Any], raw
     jobs |= {name: stored[name] for name in vision}
     arrays: dict[str, np.ndarray] = {}
     formats: dict[str, str] = {}
-    for name, t in tqdm(jobs.items(), desc=f"quantizing to {quant}", disable=not progress, unit="tensor"):
+    # compile the quantizer on a toy matrix first: the bar's estimate then measures quantizing only
+    quantize(np.zeros((2, next(iter(jobs.values())).shape[1]), np.float32), quant)
+    bar = tqdm(total=sum(int(np.prod(t.shape)) for t in jobs.values()), desc=f"quantizing to {quant}",
+               disable=not progress, unit="param", unit_scale=True)
+    for name, t in jobs.items():
         m = quantize(_dense(t), quant)
         for part, a in m.tensors().items():
             arrays[f"{name}.{part}"] = a
         formats[name] = format_name(m)
+        bar.update(int(np.prod(m.shape)))
+    bar.close()
     arrays |= {name: np.asarray(tensors[name]) for name in shapes if name not in formats}
     arrays |= {name: np.asarray(stored[name]) for name in vision_rest}
     save_arrays(out, arrays, progress=progress)
     config = dict(raw)
-    config["quantization_config"] = {"quant_method": QUANT_METHOD, "default": quant, "formats": formats}
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "default": quant, "formats": formats,
+                                     "tied_lm_head": "lm_head.weight" in jobs and "lm_head.weight" not in tensors}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in SIDE_FILES:
         if (src / f).is_file():

@@ -16,6 +16,31 @@ def _count(m: Matrix | np.ndarray | None) -> tuple[int, int]:
     return int(np.prod(shape)), int(m.nbytes)
 
 
+def storage(m: Matrix | np.ndarray) -> str:
+    """How one weight is held: int8, int4, a GGML block type (Q4_K, ...), float32, bfloat16, float16."""
+    for cls, name in (("Int8Matrix", "int8"), ("Int4Matrix", "int4")):
+        if type(m).__name__ == cls:
+            return name
+    if hasattr(m, "qtype"):
+        return str(m.qtype)
+    w = getattr(m, "w", m)
+    return str(getattr(w, "dtype", "?"))
+
+
+def weight_formats(model: Model) -> str:
+    """The storage of the layer projections and the LM head, by share of parameters:
+    "int8", or "Q4_K 62%, Q6_K 38%" (what a run really computes with, whatever was asked)."""
+    e = model.engine
+    count: dict[str, int] = defaultdict(int)
+    for m in [e.lm_head, *(m for w in e.graph.layers for m in w.matrices())]:
+        count[storage(m)] += int(np.prod(m.shape))
+    total = sum(count.values()) or 1
+    ranked = sorted(count.items(), key=lambda kv: -kv[1])
+    if len(ranked) == 1:
+        return ranked[0][0]
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in ranked)
+
+
 def parts(model: Model) -> dict[str, tuple[int, int]]:
     """Parameter count and bytes held, per part of the model."""
     cfg = model.config
@@ -45,19 +70,21 @@ def parts(model: Model) -> dict[str, tuple[int, int]]:
 def describe(model: Model) -> str:
     cfg = model.config
     types = [s.layer_type for s in cfg.layers]
+    n_shared = cfg.num_hidden_layers - cfg.first_shared_layer
     lines = [
         f"source          {model.source}",
         f"family          {cfg.family}",
         f"hidden size     {cfg.hidden_size}",
         f"layers          {cfg.num_hidden_layers} ({types.count('sliding_attention')} sliding, "
         f"{types.count('full_attention')} full; full at {[s.index for s in cfg.layers if not s.sliding]})",
-        f"KV-shared       {cfg.num_hidden_layers - cfg.first_shared_layer} (from layer {cfg.first_shared_layer})",
+        "KV-shared       " + (f"{n_shared} (from layer {cfg.first_shared_layer})" if n_shared else "none"),
         f"heads           {cfg.num_attention_heads} query; head dim / KV heads: "
         + ", ".join(sorted({f"{s.layer_type.split('_')[0]} {s.head_dim}/{s.num_kv_heads}" for s in cfg.layers})),
         f"sliding window  {cfg.sliding_window}",
         f"PLE width       {cfg.ple_dim or 'none'}",
         f"vocab           {cfg.vocab_size}",
-        f"softcap         {cfg.final_logit_softcapping}",
+        f"final softcap   {cfg.final_logit_softcapping or 'none'}",
+        f"weights         {weight_formats(model)}",
         f"context         {model.context} (KV cache {model.new_state().nbytes / 2**20:.1f} MiB)",
         "",
         f"{'part':38s} {'parameters':>16s} {'bytes':>12s}",

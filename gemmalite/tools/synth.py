@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Iterator
 
 import ml_dtypes
 import numpy as np
 
+from ..errors import CheckpointError
 from ..formats.gguf_tokenizer import gemma4_tokenizer_gguf_path
 from ..formats.safetensors import write_safetensors
 from ..loader import load_tokenizer
@@ -89,11 +91,19 @@ def _tensor_bytes(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
 
 
 def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
-          seed: int = 0, progress: bool = True) -> Path:
-    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b)."""
+          seed: int = 0, progress: bool = True, force: bool = False) -> Path:
+    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b). An existing,
+    non-empty ``out`` is an error unless ``force`` (then it is replaced)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     text = text_config(preset)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if not force:
+            raise CheckpointError(f"{out} already exists: choose another folder, or pass --force (force=True) to replace it")
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_hf(text)
     prefix = {"conditional": "model.language_model.", "causal": "model."}[layout]
     shapes = {prefix + k: v for k, v in expected_shapes(cfg).items()}

@@ -344,7 +344,7 @@ def test_cli_embed(text_ckpt, tmp_path, capsys):
     emb = load_embedder(path)
     np.testing.assert_allclose(out["embeddings"], emb.embed(["Hello world", "a"], prompt_name="SearchQuery",
                                                             dimensions=16), atol=1e-7)
-    assert main(["embed", path, "x", "--prompt-name", "Nope"]) == 2
+    assert main(["embed", path, "x", "--prompt-name", "Nope"]) == 1
     assert "unknown prompt name" in capsys.readouterr().err
     (tmp_path / "c.jsonl").write_text('"first text"\n"second"\n')
     assert main(["embed", path, "--input", str(tmp_path / "c.jsonl"), "--output", str(tmp_path / "o.parquet"),

@@ -199,5 +199,5 @@ def test_cli_run_with_an_image(ckpt, gl, tmp_path, capsys):
                                              {"type": "text", "text": "What is in this picture?"}]}]
     assert out == gl.load(path).session().chat(messages, max_new_tokens=6, temperature=0) + "\n"
     (tmp_path / "junk.png").write_bytes(b"not a picture")
-    assert main(["run", str(path), "--image", str(tmp_path / "junk.png"), "hi"]) == 2
+    assert main(["run", str(path), "--image", str(tmp_path / "junk.png"), "hi"]) == 1
     assert "junk.png: not an image" in capsys.readouterr().err

