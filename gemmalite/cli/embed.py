@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from .generate import threads_arg, use_threads
+
 
 def cmd_embed(a: argparse.Namespace) -> int:
     from ..embeddings import load_embedder
@@ -17,6 +19,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
         raise ValueError("give TEXT arguments or --input, not both")
     if not a.input and not a.texts:
         raise ValueError("nothing to embed: give TEXT arguments or --input corpus.jsonl --output vectors.parquet")
+    use_threads(a)
     emb = load_embedder(a.model, quant=a.quant)
     kw = dict(prompt_name=a.prompt_name, prompt=a.prompt, dimensions=a.dimensions, batch_size=a.batch_size,
               truncate=a.truncate)
@@ -57,6 +60,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dimensions", type=int, default=None, help="Matryoshka size (cut, then re-normalised)")
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--batch-size", type=int, default=32)
+    threads_arg(p)
     p.add_argument("--truncate", action="store_true", help="cut texts longer than the model's maximum")
     p.add_argument("--json", action="store_true", help="print JSON")
     c = p.add_argument_group("corpus mode")
