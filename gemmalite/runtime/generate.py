@@ -115,7 +115,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
     ``ids`` given as embeddings (images); they match a cached prefix only by their keys."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
-    reuse = min(_common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
+    reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
         state.reset()
         reuse = 0
@@ -230,7 +230,8 @@ def _first_stop(text: str, stops: list[str]) -> int:
     return min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (what a cached state can reuse)."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..runtime.generate import TextCutter
+from ..runtime.generate import TextCutter, common_prefix
 from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
 
@@ -71,14 +71,6 @@ class Sequence:
         self.cancelled = True
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class PrefixCache:
     """A few finished KV states, keyed by the tokens they hold; `take` hands the best match out."""
 
@@ -91,7 +83,7 @@ class PrefixCache:
         """A state whose first ``reuse`` tokens equal ``ids``' (reuse < len(ids)), and ``reuse``."""
         best, reuse = None, 0
         for s in self.states:
-            n = min(_common_prefix(s.tokens, ids), len(ids) - 1)
+            n = min(common_prefix(s.tokens, ids), len(ids) - 1)
             if n > reuse:
                 best, reuse = s, n
         if best is not None:
