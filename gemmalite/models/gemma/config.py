@@ -267,6 +267,22 @@ def _overrides(text: dict, types: list[str], k_eq_v: bool, nq: int) -> dict[int,
     return {i: o for i, t in enumerate(types) if t == FULL}
 
 
+def layer_geometry(i: int, o: dict, head_dim: int, kv_heads: int, nq: int, rope: dict,
+                   layer_type: str) -> tuple[int, int, RopeSpec]:
+    """Layer ``i``'s head size, KV heads (its override ``o`` over the defaults) and RoPE, checked:
+    shared by the decoder's and the encoder's configs."""
+    d = _int(o, "head_dim", 2, 8192, head_dim, what=f"per_layer_config.{i}.head_dim")
+    kv = _int(o, "num_key_value_heads", 1, nq, kv_heads, what=f"per_layer_config.{i}.num_key_value_heads")
+    if d % 2:
+        raise ConfigError(f"layer {i}: head size {d} is odd (rotary embeddings need pairs)")
+    if nq % kv:
+        raise ConfigError(f"layer {i}: {nq} attention heads are not a multiple of {kv} KV heads")
+    params = rope.get(layer_type)
+    if not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters has no entry for {layer_type}")
+    return d, kv, _rope_spec(params, d, layer_type)
+
+
 def _parse_text(text: dict, family: str) -> ModelConfig:
     if text.get("enable_moe_block"):
         raise ConfigError("enable_moe_block: mixture-of-experts Gemma 4 models are not supported")
@@ -298,16 +314,7 @@ def _parse_text(text: dict, family: str) -> ModelConfig:
 
     layers: list[LayerSpec] = []
     for i in range(n):
-        o = overrides.get(i, {})
-        d = _int(o, "head_dim", 2, 8192, head_dim, what=f"per_layer_config.{i}.head_dim")
-        kv = _int(o, "num_key_value_heads", 1, nq, kv_heads, what=f"per_layer_config.{i}.num_key_value_heads")
-        if d % 2:
-            raise ConfigError(f"layer {i}: head size {d} is odd (rotary embeddings need pairs)")
-        if nq % kv:
-            raise ConfigError(f"layer {i}: {nq} attention heads are not a multiple of {kv} KV heads")
-        params = rope.get(types[i])
-        if params is None:
-            raise ConfigError(f"rope_parameters has no entry for {types[i]}")
+        d, kv, rope_spec = layer_geometry(i, overrides.get(i, {}), head_dim, kv_heads, nq, rope, types[i])
         layers.append(
             LayerSpec(
                 index=i,
@@ -317,7 +324,7 @@ def _parse_text(text: dict, family: str) -> ModelConfig:
                 intermediate_size=inter * (2 if double and sources[i] != i else 1),
                 kv_source=sources[i],
                 k_eq_v=k_eq_v and types[i] == FULL,
-                rope=_rope_spec(params, d, types[i]),
+                rope=rope_spec,
             )
         )
     for spec in layers:  # a consumer attends with the producer's geometry

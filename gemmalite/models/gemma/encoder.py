@@ -23,7 +23,7 @@ from ...errors import ConfigError
 from ...kernels.ops import attention, rms_norm, rope_tables
 from ...weights.matrix import Matrix
 from .config import (FULL, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, SLIDING, SUPPORTED_ACTIVATIONS,
-                     LayerSpec, ModelConfig, _bool, _float, _int, _layer_types, _overrides, _rope_spec)
+                     LayerSpec, ModelConfig, _bool, _float, _int, _layer_types, _overrides, layer_geometry)
 from .contract import expected_shapes
 from .graph import LayerWeights, PLEWeights, layer_step
 
@@ -86,18 +86,9 @@ def _parse_encoder(text: dict) -> EncoderConfig:
         overrides = {i: o for i, t in enumerate(types) if t == FULL}
     layers = []
     for i in range(n):
-        o = overrides.get(i, {})
-        d = _int(o, "head_dim", 2, 8192, head_dim, what=f"per_layer_config.{i}.head_dim")
-        kv = _int(o, "num_key_value_heads", 1, nq, kv_heads, what=f"per_layer_config.{i}.num_key_value_heads")
-        if d % 2:
-            raise ConfigError(f"layer {i}: head size {d} is odd (rotary embeddings need pairs)")
-        if nq % kv:
-            raise ConfigError(f"layer {i}: {nq} attention heads are not a multiple of {kv} KV heads")
-        params = rope.get(types[i])
-        if not isinstance(params, dict):
-            raise ConfigError(f"rope_parameters has no entry for {types[i]}")
+        d, kv, rope_spec = layer_geometry(i, overrides.get(i, {}), head_dim, kv_heads, nq, rope, types[i])
         layers.append(LayerSpec(index=i, layer_type=types[i], head_dim=d, num_kv_heads=kv, intermediate_size=inter,
-                                kv_source=i, k_eq_v=False, rope=_rope_spec(params, d, types[i])))
+                                kv_source=i, k_eq_v=False, rope=rope_spec))
     eos = text.get("eos_token_id", 1)
     return EncoderConfig(
         family="embedding_gemma2",
