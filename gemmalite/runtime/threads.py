@@ -6,9 +6,10 @@ wake-up on an idle machine, but on a busy one a spinning thread burns the time s
 thread it waits for needs, and a step can take ten times longer. So `Governor` watches each
 step when the thread count is left to it:
 
-* on several threads, a step whose process CPU time falls well short of threads x wall time
-  (the threads were descheduled) sends the next steps to one thread, which never waits for
-  another;
+* on several threads, a step during which the calling thread spent a good part of its time
+  ready to run but not running (the kernel's run-queue wait, ``/proc/thread-self/schedstat``:
+  other work had the CPUs) sends the next steps to one thread, which never waits for another.
+  (Process CPU time against wall time would mistake a step's serial parts for a busy machine);
 * on one thread, it tries every usable CPU again after a while, and waits twice as long
   before the next try each time a try finds the machine still busy (a try costs one slow step;
   the run queue cannot tell, since other work may run at a lower priority than ours).
@@ -58,42 +59,53 @@ def limit_blas_threads(threads: int | None) -> None:
     threadpool_limits(threads, user_api="blas")
 
 
+def run_queue_wait() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a CPU (Linux schedstat;
+    0.0 where the kernel does not say, which keeps every thread)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class Governor:
     """Chooses the thread count of each step from how the previous steps went (see the module)."""
 
-    LOW_SHARE = 0.6  # CPU time below this share of threads x wall: the threads did not get their CPUs
+    HIGH_WAIT = 0.25  # run-queue wait above this share of the wall time: the machine is busy
     MIN_WALL = 0.002  # shorter spans say nothing reliable: short steps are judged together
     FIRST_WAIT, LAST_WAIT = 16, 512  # steps on one thread before trying several again (doubling)
 
     def __init__(self, cpus: Callable[[], int] = usable_cpus,
-                 clock: Callable[[], float] = time.perf_counter, cpu_clock: Callable[[], float] = time.process_time):
-        self.cpus, self.clock, self.cpu_clock = cpus, clock, cpu_clock
+                 clock: Callable[[], float] = time.perf_counter, wait_clock: Callable[[], float] | None = None):
+        self.cpus, self.clock = cpus, clock
+        self.wait_clock = wait_clock or run_queue_wait
         self.busy = False  # on one thread because the machine was busy
         self.left = 0  # steps to go on one thread before the next try
         self.wait = self.FIRST_WAIT  # the current spacing of tries
         self.trying = False  # the next several-thread step is a try after a busy spell
         self.drops = 0  # times a busy machine sent the steps to one thread (for stats and tests)
-        self.span = [0.0, 0.0]  # wall and CPU seconds of the several-thread steps not judged yet
+        self.span = [0.0, 0.0]  # wall and run-queue wait seconds of the several-thread steps not judged yet
 
     def choose(self) -> int:
         if self.busy and self.left <= 0:
             self.busy, self.trying = False, True
         return 1 if self.busy else self.cpus()
 
-    def observe(self, n: int, wall: float, cpu: float) -> None:
-        """Account one step that ran on ``n`` threads for ``wall`` seconds and used ``cpu`` seconds."""
+    def observe(self, n: int, wall: float, waited: float) -> None:
+        """Account one step that ran on ``n`` threads for ``wall`` seconds, ``waited`` of them on the run queue."""
         if self.busy:
             self.left -= 1
             return
         if n < 2:
             return
         self.span[0] += wall
-        self.span[1] += cpu
-        wall, cpu = self.span
+        self.span[1] += waited
+        wall, waited = self.span
         if wall < self.MIN_WALL:
             return
         self.span = [0.0, 0.0]
-        if cpu < self.LOW_SHARE * wall * n:
+        if waited > self.HIGH_WAIT * wall:
             self.wait = min(2 * self.wait, self.LAST_WAIT) if self.trying else self.FIRST_WAIT
             self.busy, self.left, self.trying = True, self.wait, False
             self.drops += 1
@@ -112,6 +124,6 @@ def compute(threads: int | None) -> Iterator[int]:
             yield set_numba_threads(threads)
             return
         n = set_numba_threads(GOVERNOR.choose())
-        t0, c0 = GOVERNOR.clock(), GOVERNOR.cpu_clock()
+        t0, w0 = GOVERNOR.clock(), GOVERNOR.wait_clock()
         yield n
-        GOVERNOR.observe(n, GOVERNOR.clock() - t0, GOVERNOR.cpu_clock() - c0)
+        GOVERNOR.observe(n, GOVERNOR.clock() - t0, GOVERNOR.wait_clock() - w0)

@@ -8,7 +8,8 @@ from gemmalite.runtime import threads as th
 
 
 class FakeMachine:
-    """A machine the test drives: each step gets ``share`` of the CPU time its threads ask for."""
+    """A machine the test drives: each step's thread gets ``share`` of its wall time on a CPU and
+    waits on the run queue for the rest."""
 
     def __init__(self, cpus=2, share=1.0):
         self.cpus, self.share = cpus, share
@@ -18,8 +19,7 @@ class FakeMachine:
 
     def step(self, g: th.Governor, wall=0.05) -> int:
         n = g.choose()
-        # one thread always gets a CPU's worth here: what a busy machine costs is the waiting of several
-        g.observe(n, wall, (self.share if n > 1 else 1.0) * wall * n)
+        g.observe(n, wall, (1 - self.share) * wall)
         return n
 
 
@@ -71,10 +71,36 @@ def test_short_steps_and_fair_shares_do_not_drop():
     assert m.step(g, wall=th.Governor.MIN_WALL / 3) == 4  # three short steps make a span
     assert m.step(g) == 1
     g = m.governor()
-    m.share = th.Governor.LOW_SHARE + 0.05
+    m.share = 1 - th.Governor.HIGH_WAIT + 0.05
     assert m.step(g) == 4 and m.step(g) == 4
-    m.share = th.Governor.LOW_SHARE - 0.05
+    m.share = 1 - th.Governor.HIGH_WAIT - 0.05
     assert m.step(g) == 4 and m.step(g) == 1
+
+
+def test_run_queue_wait_grows_only_while_waiting_for_a_cpu():
+    import multiprocessing as mp
+    import time
+
+    def spin(seconds):
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            pass
+
+    w0 = th.run_queue_wait()
+    time.sleep(0.05)  # sleeping is not waiting for a CPU
+    assert th.run_queue_wait() - w0 < 0.04
+    if th.run_queue_wait() == 0.0:
+        pytest.skip("the kernel does not report run-queue waits")
+    burners = [mp.get_context("fork").Process(target=spin, args=(3,), daemon=True) for _ in range(3 * th.usable_cpus())]
+    for p in burners:
+        p.start()
+    try:
+        w0, t0 = th.run_queue_wait(), time.perf_counter()
+        spin(0.4)
+        assert th.run_queue_wait() - w0 > th.Governor.HIGH_WAIT * (time.perf_counter() - t0)
+    finally:
+        for p in burners:
+            p.terminate()
 
 
 def test_one_cpu_is_one_thread():
