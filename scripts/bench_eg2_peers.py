@@ -69,7 +69,7 @@ from egemma2 import Egemma2, find_egemma2_bin
 n = sys.argv[3]
 exe = os.path.join(tempfile.mkdtemp(), "egemma2")  # the client puts no options before `serve`
 with open(exe, "w") as f:
-    f.write(f'#!/bin/sh\nexec {find_egemma2_bin()} --threads {n} --small-threads {n} "$@"\n')
+    f.write(f'#!/bin/sh\\nexec {find_egemma2_bin()} --threads {n} --small-threads {n} "$@"\\n')
 os.chmod(exe, stat.S_IRWXU)
 def hwm(pid):
     with open(f"/proc/{pid}/status") as f:
