@@ -24,3 +24,23 @@ def test_numba_attention_matches_batched(t, window, monkeypatch):
     # a query that sees nothing but masked slots still gives finite numbers
     monkeypatch.setattr(common, "FEW_ROWS", 4)
     assert np.isfinite(kernels.attention(q[:1], k, v, np.array([-5]), k_pos, window, 0.25)).all()
+
+
+@pytest.mark.parametrize("shape", [(18, 4, 256), (1, 8, 512), (37, 3, 64)])
+def test_apply_rope_is_the_rotate_half_expression_to_the_bit(shape):
+    from gemmalite.kernels.ops import apply_rope, rope_tables
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    inv = (1.0 / 10000 ** (np.arange(shape[2] // 2) * 2 / shape[2])).astype(np.float32)
+    cos, sin = rope_tables(inv, np.arange(3, 3 + shape[0]))
+    half = shape[2] // 2
+
+    def reference(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+    assert np.array_equal(apply_rope(x, cos, sin), reference(x))
+    wide = np.concatenate([x, x], axis=-1)[..., : shape[2]]  # a strided view, as the vision tower passes
+    assert np.array_equal(apply_rope(wide, cos, sin), reference(wide))
