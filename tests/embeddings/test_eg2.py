@@ -369,7 +369,10 @@ def test_synth_eg2_tiny_loads_in_transformers(tmp_path):
     sentence-transformers read, and gemmalite computes what they compute."""
     from gemmalite.tools.synth_eg2 import synth_eg2
 
-    path = synth_eg2("eg2-tiny", tmp_path / "s", tokenizer=o.gemma4_tokenizer_dir() / "tokenizer.json", progress=False)
+    # without its towers: sentence-transformers loads a multimodal folder's video processor, which
+    # needs torchvision (tests/tools/test_synth_towers.py checks the towered folder in transformers)
+    path = synth_eg2("eg2-tiny", tmp_path / "s", tokenizer=o.gemma4_tokenizer_dir() / "tokenizer.json", progress=False,
+                     vision=False)
     st = o.st_model(path)
     model = st[0].model  # transformers' float32 eager load of the folder
     emb = load_embedder(path)
