@@ -21,8 +21,10 @@ from ..errors import InputError
 
 IMAGE_PLACEHOLDER = "<|image|>"
 VIDEO_PLACEHOLDER = "<|video|>"
-#: what goes between two parts of one input in the processor's text (see `placeholder_text`)
-PART_SEPARATOR = " "
+#: what goes between two parts of one input in the processor's text: nothing, as egemma2 0.3.2
+#: joins them (measured on the real-shape synth checkpoint: "a photo of<|image|>" matches its
+#: vectors to cosine 0.99997, the image-alone level; with " " or "\n" 0.998-0.999)
+PART_SEPARATOR = ""
 
 Part = Union[str, tuple[str, Any]]  # text, or ("image", image) / ("video", frames)
 Item = Union[str, list[Part]]  # a text input, or the parts of an input with pictures

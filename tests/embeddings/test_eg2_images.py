@@ -37,17 +37,17 @@ def _image(h: int, w: int, seed: int) -> np.ndarray:
     return np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def _checkpoint(path: Path, gentle: bool = False):
+    """``gentle``: text weights about as sensitive to weight noise as a trained net's (eg2_oracle),
+    for the int8 bound; the default wide ranges make a random net chaotic."""
     from transformers import EmbeddingGemma2Config, EmbeddingGemma2Model
 
-    path = tmp_path_factory.mktemp("eg2_images")
     torch.manual_seed(0)
     cfg = EmbeddingGemma2Config(text_config=o.eg2_config_kwargs(dict(vocab_size=262144)),
                                 vision_config=dict(vo.CLIPPED, model_type="gemma4_vision"),
                                 attn_implementation="eager")
     model = EmbeddingGemma2Model(cfg).float().eval()
-    o.randomize_eg2_weights(model, 0)
+    o.randomize_eg2_weights(model, 0, gentle=gentle)
     vo.randomize_vision_weights([model.vision_tower, model.embed_vision], 1)
     model.save_pretrained(path, safe_serialization=True)
     o.write_eg2_tokenizer(path, "gemma4")
@@ -60,6 +60,11 @@ def ckpt(tmp_path_factory):
                             "image_std": [1, 1, 1]},
         "image_seq_length": SOFT}))
     return path, model.double()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("eg2_images"))
 
 
 class Reference:
@@ -158,9 +163,11 @@ def test_video_frames(emb, ref):
     assert _cos(want, got).min() >= COS
 
 
-def test_int8_images(ckpt, ref):
+def test_int8_images(tmp_path):
+    path, model = _checkpoint(tmp_path / "gentle", gentle=True)
+    ref = Reference(path, model)
     a, b = _image(50, 70, 6), _image(64, 48, 7)
-    got = load_embedder(ckpt[0], quant="int8").embed([a, ["a photo of", b]])
+    got = load_embedder(path, quant="int8").embed([a, ["a photo of", b]])
     want = [ref(IMG, [a]), ref("a photo of" + PART_SEPARATOR + IMG, [b])]
     assert _cos(want, got).min() >= 0.999
 
@@ -183,3 +190,28 @@ def test_text_only_checkpoint_refuses_images(tmp_path):
     o.make_eg2_checkpoint(path, layout="text", st=False)
     with pytest.raises(ImageError, match="no vision tower"):
         load_embedder(path).embed([_image(20, 20, 0)])
+
+
+def test_cli_and_corpus_with_images(ckpt, emb, tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from gemmalite.cli import main
+    from gemmalite.embeddings.corpus import embed_corpus
+
+    a, b = _image(50, 70, 8), _image(64, 48, 9)
+    (tmp_path / "img").mkdir()
+    Image.fromarray(a).save(tmp_path / "img" / "a.png")
+    Image.fromarray(b).save(tmp_path / "img" / "b.png")
+    assert main(["embed", str(ckpt[0]), "hello", "--image", str(tmp_path / "img" / "a.png"), "--json"]) == 0
+    out = np.array(json.loads(capsys.readouterr().out)["embeddings"])
+    np.testing.assert_allclose(out, emb.embed(["hello", a]), atol=2e-6)
+    lines = [{"id": "x", "image": "img/a.png"}, {"id": "y", "text": "caption", "image": ["img/a.png", "img/b.png"]},
+             {"id": "z", "image": "img/b.png", "text": "after"}, "just a text"]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(x) for x in lines[:3]) + "\n" + json.dumps({"id": "w", "text": lines[3]}))
+    embed_corpus(emb, tmp_path / "c.jsonl", tmp_path / "v.parquet", chunk_size=2, progress=False)
+    t = pq.read_table(tmp_path / "v.parquet")
+    assert t.column("id").to_pylist() == ["x", "y", "z", "w"]
+    want = emb.embed([a, ["caption", a, b], [b, "after"], "just a text"])
+    np.testing.assert_allclose(np.array(t.column("embedding").to_pylist()), want, atol=2e-6)
