@@ -4,7 +4,8 @@ An input is one of
 * a ``str``: always text (never a path);
 * an image: ``pathlib.Path`` (any ``os.PathLike``), bytes, a file object, a PIL image or a
   uint8 array (decoded and converted by `gemmalite.vision.preprocess`);
-* a video: ``{"video": [frame, ...]}`` (frames are images);
+* a video: ``{"video": [frame, ...]}`` (frames are images) or ``{"video": Path("clip.mp4")}``
+  (decoded with PyAV, the ``video`` extra, sampled as the reference samples files);
 * a list or tuple of such parts, or a dict ``{"text": ..., "image": ..., "video": ...}`` whose
   parts follow the key order (as sentence-transformers and egemma2 take them): ONE input.
 
@@ -82,9 +83,11 @@ def _parts(x: Any, where: str) -> list[Part]:
                 images = value if isinstance(value, (list, tuple)) else [value]
                 out += [("image", _image(v, f"{where}['image']")) for v in images]
             elif key == "video":
+                if isinstance(value, os.PathLike):  # a file, decoded with PyAV (the video extra)
+                    out.append(("video", value))
+                    continue
                 if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
-                    raise InputError(f"{where}['video'] must be a non-empty list of frames (decoding video files "
-                                     "is not supported: give the frames)")
+                    raise InputError(f"{where}['video'] must be a non-empty list of frames or a pathlib.Path")
                 out.append(("video", [_image(v, f"{where}['video']") for v in value]))
             else:
                 raise InputError(f"{where} has an unknown part {key!r} (text, image or video)")

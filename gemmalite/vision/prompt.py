@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class VideoProcessorConfig:
     image: ImageProcessorConfig = ImageProcessorConfig(max_soft_tokens=70)
     max_frames: int | None = 32
     overflow_strategy: str = "uniform"
+    fps: float | None = 1.0  # a video file is sampled at this rate (decoded frames have no rate)
 
     @classmethod
     def from_folder(cls, folder: str | Path, vision_config: dict | None = None) -> "VideoProcessorConfig":
@@ -156,17 +158,54 @@ class VideoProcessorConfig:
             image = ImageProcessorConfig.from_dict({"max_soft_tokens": 70, **d}, vision_config)
         except ConfigError as e:
             raise ConfigError(f"{path}: video_processor: {e}") from None
-        return cls(image, d.get("max_frames", 32) if strategy else None, strategy or "uniform")
+        fps = d.get("fps", 1.0)
+        return cls(image, d.get("max_frames", 32) if strategy else None, strategy or "uniform",
+                   None if fps is None else float(fps))
 
-    def frames(self, video: Sequence[ImageInput]) -> list[ImageInput]:
-        """The frames the reference keeps of a list of decoded frames."""
+    def frames(self, video: Sequence[ImageInput] | os.PathLike) -> list[ImageInput]:
+        """The frames the reference keeps of a list of decoded frames, or of a video file."""
+        if isinstance(video, os.PathLike):
+            return self.decode(video)
         if isinstance(video, (str, bytes)) or not hasattr(video, "__len__") or len(video) == 0:
             raise ImageError("a video is a non-empty list of frames (images)")
-        frames = list(video)
+        return self._cap(list(video))
+
+    def _cap(self, frames: list) -> list:
         if self.max_frames is not None and len(frames) > self.max_frames:
             if self.overflow_strategy == "truncate":
                 return frames[:self.max_frames]
             return [frames[i] for i in np.linspace(0, len(frames) - 1, self.max_frames, dtype=int)]
+        return frames
+
+
+    def decode(self, path: os.PathLike) -> list[np.ndarray]:
+        """RGB frames of a video file, sampled as transformers' PyAV loader and the EmbeddingGemma 2
+        video processor sample them: at ``fps`` from the stream's average rate and frame count,
+        then capped at ``max_frames``. Needs PyAV (``pip install 'gemmalite[video]'``)."""
+        try:
+            import av
+        except ImportError:
+            raise ImageError("decoding video files needs PyAV: pip install 'gemmalite[video]' (or give the frames)") from None
+        try:
+            with av.open(os.fspath(path)) as container:
+                stream = container.streams.video[0]
+                total, rate = int(stream.frames), stream.average_rate
+                if self.fps is None or not rate:
+                    indices = np.arange(total)
+                else:
+                    step, duration = float(rate) / self.fps, total / float(rate)
+                    indices = np.array([min(total - 1, int(i * step)) for i in range(max(1, int(duration * self.fps)))])
+                indices = self._cap(list(indices))
+                wanted, frames = set(int(i) for i in indices), []
+                for i, frame in enumerate(container.decode(video=0)):
+                    if i > indices[-1]:
+                        break
+                    if i in wanted:
+                        frames.append(frame.to_ndarray(format="rgb24"))
+        except (av.error.FFmpegError, IndexError, OSError) as e:
+            raise ImageError(f"{path}: cannot decode the video ({e})") from None
+        if not frames:
+            raise ImageError(f"{path}: the video has no frames")
         return frames
 
 

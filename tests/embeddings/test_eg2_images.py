@@ -215,3 +215,49 @@ def test_cli_and_corpus_with_images(ckpt, emb, tmp_path, capsys):
     assert t.column("id").to_pylist() == ["x", "y", "z", "w"]
     want = emb.embed([a, ["caption", a, b], [b, "after"], "just a text"])
     np.testing.assert_allclose(np.array(t.column("embedding").to_pylist()), want, atol=2e-6)
+
+
+def test_video_file(emb, ref, tmp_path):
+    """A file decoded with PyAV and sampled as transformers' PyAV loader + the EmbeddingGemma 2
+    video processor's sample_frames (fps 1 by default, max_frames 3 here) pick frames."""
+    av = pytest.importorskip("av")
+    from transformers.video_utils import read_video_pyav
+
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(18):  # 4.5 s at 4 fps: 4 samples at 1 fps, capped to 3 uniformly
+            frame = av.VideoFrame.from_ndarray(_image(48, 64, 20 + i), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+    def sample(metadata, **_):
+        return _reference_sample_frames()(None, metadata, fps=1, max_frames=3, overflow_strategy="uniform")
+
+    frames, meta = read_video_pyav(str(path), sample)
+    assert len(frames) == 3
+    got = emb.embed([{"video": path}])
+    assert _cos([ref(VID, video=list(frames))], got).min() >= COS
+
+
+def _reference_sample_frames():
+    """``EmbeddingGemma2VideoProcessor.sample_frames`` itself: its module wants torchvision at import
+    time (not installable here), so the method's source is taken from the file and run alone."""
+    import ast
+    import logging
+
+    import transformers
+
+    src = Path(transformers.__file__).parent / "models/embedding_gemma2/video_processing_embedding_gemma2.py"
+    tree = ast.parse(src.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EmbeddingGemma2VideoProcessor")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "sample_frames")
+    fn.returns = None
+    for a in fn.args.args + fn.args.kwonlyargs:
+        a.annotation = None
+    ns = {"np": np, "logger": logging.getLogger("reference")}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(src), "exec"), ns)
+    return ns["sample_frames"]
