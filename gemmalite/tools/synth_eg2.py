@@ -15,11 +15,18 @@ import json
 from pathlib import Path
 
 from ..embeddings.st_files import STANDARD_PROMPTS, write_pipeline
-from ..formats.safetensors import write_safetensors
 from ..models.gemma.config import FULL, SLIDING
 from ..models.gemma.encoder import EncoderConfig, encoder_shapes
-from .synth import (MULTIMODAL_IDS, _add_multimodal_tokens, audio_config, audio_tower_shapes, processor_config,
-                    vision_config, vision_tower_shapes, write_random_checkpoint)
+from .synth import (
+    MULTIMODAL_IDS,
+    _add_multimodal_tokens,
+    audio_config,
+    audio_tower_shapes,
+    processor_config,
+    vision_config,
+    vision_tower_shapes,
+    write_random_checkpoint,
+)
 
 SHAPES: dict[str, dict] = {
     "eg2": dict(hidden_size=512, num_hidden_layers=24, intermediate_size=2048, num_attention_heads=4,
