@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import ImageError
-from .preprocess import ImageInput, ImagePatches, ImageProcessorConfig, preprocess
+from ..runtime.engine import COMPUTE_LOCK
+from .preprocess import MAX_PIXELS, ImageInput, ImagePatches, ImageProcessorConfig, preprocess
 from .tower import VisionTower
 
 KEY_SPACE = 1 << 62
@@ -82,15 +83,18 @@ class Vision:
             if soft is not None:
                 self._cache.move_to_end(digest)
                 return digest, soft
-        soft = self.tower(patches)
+        with COMPUTE_LOCK:  # the kernels' thread pool is process-wide: one step at a time (a server decodes meanwhile)
+            soft = self.tower(patches)
         with self._lock:
             self._cache[digest] = soft
             while len(self._cache) > CACHED_IMAGES:
                 self._cache.popitem(last=False)
         return digest, soft
 
-    def prompt(self, ids: Sequence[int], images: Sequence[ImageInput], *, max_soft_tokens: int | None = None) -> ImagePrompt:
-        """Expand each placeholder of ``ids`` with the next image (as many placeholders as images)."""
+    def prompt(self, ids: Sequence[int], images: Sequence[ImageInput], *, max_soft_tokens: int | None = None,
+               max_pixels: int = MAX_PIXELS) -> ImagePrompt:
+        """Expand each placeholder of ``ids`` with the next image (as many placeholders as images);
+        an image file over ``max_pixels`` is refused from its header."""
         ids = np.asarray(ids, dtype=np.int64)
         t = self.tokens
         slots = np.flatnonzero(ids == t.image)
@@ -99,7 +103,8 @@ class Vision:
         pieces, rows, vectors, keys = [], [], [], []
         start = offset = 0
         for slot, image in zip(slots, images):
-            digest, soft = self.soft_tokens(preprocess(image, self.processor, max_soft_tokens=max_soft_tokens))
+            digest, soft = self.soft_tokens(preprocess(image, self.processor, max_soft_tokens=max_soft_tokens,
+                                                            max_pixels=max_pixels))
             n = soft.shape[0]
             pieces += [ids[start:slot], [t.begin], np.full(n, t.image), [t.end]]
             first = offset + (slot - start) + 1
