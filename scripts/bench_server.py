@@ -126,7 +126,8 @@ def targets(a, levels: list[int]) -> list[Target]:
     if a.llama_server:
         port, n = free_port(), max(levels)  # llama-server splits its context over the slots
         cmd = [a.llama_server, "-m", a.gguf, "--port", str(port), "--parallel", str(n), "--cont-batching",
-               "-c", str(a.context * n), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-cram", "0"]
+               "-c", str(a.context * n), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-cram", "0",
+               *a.llama_args.split()]
         out.append(Target("llama-server", cmd, f"http://127.0.0.1:{port}/v1", a.model))
     if a.url:
         out.append(Target(a.url, None, a.url, a.model))
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gemmalite", metavar="MODEL", help="start `gemmalite serve MODEL`")
     ap.add_argument("--llama-server", metavar="BIN", help="start this llama-server binary (with --gguf)")
     ap.add_argument("--gguf", help="model file for llama-server")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--poll 0' (no spinning waits)")
     ap.add_argument("--url", help="a server already running (base URL ending in /v1)")
     ap.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
     ap.add_argument("--context", type=int, default=2048, help="per-sequence context")
