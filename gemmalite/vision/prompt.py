@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import ImageError
-from ..runtime.engine import COMPUTE_LOCK
+from ..runtime.threads import COMPUTE_LOCK
 from .preprocess import MAX_PIXELS, ImageInput, ImagePatches, ImageProcessorConfig, preprocess
 from .tower import VisionTower
 
