@@ -63,15 +63,16 @@ class Model:
         inputs.flag(stream, "stream")
         return inputs.integer(max_new_tokens, "max_new_tokens", 0), self.defaults.params(*sampling)
 
-    def with_images(self, ids: Iterable[int], images) -> tuple[np.ndarray, SoftTokens | None]:
+    def with_images(self, ids: Iterable[int], images, **limits: int) -> tuple[np.ndarray, SoftTokens | None]:
         """The prompt as it runs: each image placeholder of ``ids`` expanded with the next image's
-        soft tokens (as transformers' Gemma4Processor places them); unchanged without images."""
+        soft tokens (as transformers' Gemma4Processor places them); unchanged without images.
+        ``limits``: `Vision.prompt`'s (``max_pixels``, ``max_soft_tokens``)."""
         arr = self.check_ids(ids)
         if not images:
             return arr, None
         if self.vision is None:
             raise ConfigError(f"{self.source or 'this model'} has no vision tower: it cannot take images")
-        p = self.vision.prompt(arr, list(images))
+        p = self.vision.prompt(arr, list(images), **limits)
         return p.ids, SoftTokens(p.rows, p.vectors, p.keys)
 
     def _prompt(self, ids: Iterable[int], images, max_new_tokens: int, truncate: bool):

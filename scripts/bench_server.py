@@ -1,14 +1,19 @@
-"""Load benchmark of an OpenAI-compatible server: aggregate decode tokens/s and time to first
-token with 1, 2, 4, 8 concurrent streams.
+"""Load benchmark of OpenAI-compatible servers under the same load, side by side: aggregate
+decode tokens/s with 1, 2, 4, 8 concurrent streams, p50 / p99 time to first token, and the solo
+prefill time of the same prompt.
 
-    python scripts/bench_server.py --gemmalite MODEL_DIR [--context 2048]
-    python scripts/bench_server.py --llama-server /path/to/llama-server --gguf model.gguf
-    python scripts/bench_server.py --url http://127.0.0.1:8080/v1 --model NAME   # already running
+    python scripts/bench_server.py --gemmalite MODEL_DIR --llama-server BIN --gguf FILE [--threads 2]
+    python scripts/bench_server.py --gemmalite MODEL_DIR                      # one server
+    python scripts/bench_server.py --url http://127.0.0.1:8080/v1 [--model NAME]   # already running
 
-Each level starts N streaming completions of the same prompt at once (max_tokens fixed,
-end-of-sequence ignored where the server allows it) and reports: aggregate tokens/s (all
-tokens after each stream's first, over the time from the first stream's first token to the
-last stream's end), p50 / p99 time to first token, and the speed-up over one stream.
+Every server named is started (and loaded) first; then each measurement runs on each server in
+turn, the order alternating from one level to the next, so both see the same machine state.
+A level starts N streaming completions of the same prompt at once (max_tokens fixed, end of
+sequence ignored, prompt caching off so every request prefills) and reports: aggregate
+decode tokens/s (the tokens after each stream's first, over the time from the first stream's
+first token to the last stream's end), p50 / p99 time to first token, and the speed-up over
+one stream. Solo prefill: the median time to first token of one request alone (max_tokens 1).
+llama-server runs with ``--parallel`` = the largest level and continuous batching on.
 """
 from __future__ import annotations
 
@@ -20,12 +25,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
 PROMPT = ("Write a long and detailed story about a lighthouse keeper who finds a message in a bottle. "
           "Describe the sea, the weather, the keeper's daily routine and the people of the nearby village.")
+NO_CACHE = {"ignore_eos": True, "cache_prompt": False}  # llama.cpp's keys; gemmalite ignores cache_prompt
 
 
 def free_port() -> int:
@@ -34,7 +39,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     import urllib.request
 
     t0 = time.time()
@@ -53,37 +58,89 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 def one_stream(client, model: str, max_tokens: int, t_start: float) -> dict:
     t0 = time.perf_counter()
-    first = None
-    n = 0
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    first, chunks, usage = None, 0, None
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body=NO_CACHE)
     for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
         if chunk.choices and chunk.choices[0].text:
-            n += 1  # one token per chunk on both servers (text held back at a stop is rare here)
+            chunks += 1
             if first is None:
                 first = time.perf_counter()
     end = time.perf_counter()
-    return {"ttft": (first or end) - t0, "first_at": (first or end) - t_start, "end_at": end - t_start, "chunks": n}
+    tokens = usage.completion_tokens if usage is not None else chunks  # a chunk may hold held-back text
+    return {"ttft": (first or end) - t0, "first_at": (first or end) - t_start, "end_at": end - t_start,
+            "tokens": tokens}
 
 
 def run_level(client, model: str, n: int, max_tokens: int) -> dict:
     t_start = time.perf_counter()
     with ThreadPoolExecutor(n) as ex:
         res = list(ex.map(lambda _: one_stream(client, model, max_tokens, t_start), range(n)))
-    decode_tokens = sum(max(0, r["chunks"] - 1) for r in res)
+    decode_tokens = sum(max(0, r["tokens"] - 1) for r in res)
     span = max(r["end_at"] for r in res) - min(r["first_at"] for r in res)
     ttft = np.array([r["ttft"] for r in res])
     return {"streams": n, "tokens_per_s": decode_tokens / span if span > 0 else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
 
 
+def solo_prefill(client, model: str, repeats: int = 3) -> float:
+    return float(np.median([one_stream(client, model, 1, time.perf_counter())["ttft"] for _ in range(repeats)]))
+
+
+class Target:
+    """One server: started here (or already running at ``url``), and its openai client."""
+
+    def __init__(self, name: str, cmd: list[str] | None, url: str, model: str | None):
+        import openai
+
+        self.name, self.url = name, url
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if cmd else None
+        self.client = openai.OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0,
+                                    timeout=3600)
+        self.model = model
+
+    def ready(self) -> "Target":
+        if self.proc is not None:
+            wait_ready(self.url, self.proc)
+        self.model = self.model or self.client.models.list().data[0].id
+        return self
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def targets(a, levels: list[int]) -> list[Target]:
+    out = []
+    if a.gemmalite:
+        port = free_port()
+        cmd = [sys.executable, "-m", "gemmalite.cli", "serve", a.gemmalite, "--port", str(port), "--context",
+               str(a.context), "--max-concurrency", str(max(levels)), "--prefix-cache", "0", "--threads", str(a.threads)]
+        out.append(Target("gemmalite", cmd, f"http://127.0.0.1:{port}/v1", a.model))
+    if a.llama_server:
+        port, n = free_port(), max(levels)  # llama-server splits its context over the slots
+        cmd = [a.llama_server, "-m", a.gguf, "--port", str(port), "--parallel", str(n), "--cont-batching",
+               "-c", str(a.context * n), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-cram", "0",
+               *a.llama_args.split()]
+        out.append(Target("llama-server", cmd, f"http://127.0.0.1:{port}/v1", a.model))
+    if a.url:
+        out.append(Target(a.url, None, a.url, a.model))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--gemmalite", metavar="MODEL", help="start `gemmalite serve MODEL`")
-    src.add_argument("--llama-server", metavar="BIN", help="start this llama-server binary (with --gguf)")
-    src.add_argument("--url", help="a server already running (base URL ending in /v1)")
+    ap.add_argument("--gemmalite", metavar="MODEL", help="start `gemmalite serve MODEL`")
+    ap.add_argument("--llama-server", metavar="BIN", help="start this llama-server binary (with --gguf)")
     ap.add_argument("--gguf", help="model file for llama-server")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--poll 0' (no spinning waits)")
+    ap.add_argument("--url", help="a server already running (base URL ending in /v1)")
     ap.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
     ap.add_argument("--context", type=int, default=2048, help="per-sequence context")
     ap.add_argument("--levels", default="1,2,4,8")
@@ -91,47 +148,49 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-
-    import openai
-
-    proc = None
+    if not (a.gemmalite or a.llama_server or a.url):
+        ap.error("name a server: --gemmalite, --llama-server or --url")
+    if a.llama_server and not a.gguf:
+        ap.error("--llama-server needs --gguf")
     levels = [int(x) for x in a.levels.split(",")]
-    url = a.url
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}/v1"
-        if a.gemmalite:
-            cmd = [sys.executable, "-m", "gemmalite.cli", "serve", a.gemmalite, "--port", str(port), "--context",
-                   str(a.context), "--max-concurrency", str(max(levels)), "--prefix-cache", "0"]
-        else:
-            if not a.gguf:
-                ap.error("--llama-server needs --gguf")
-            n = max(levels)  # llama-server splits its context over the slots
-            cmd = [a.llama_server, "-m", a.gguf, "--port", str(port), "--parallel", str(n), "--cont-batching",
-                   "-c", str(a.context * n), "-t", str(a.threads)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    ts = targets(a, levels)
+    results: dict[str, dict] = {t.name: {"rows": []} for t in ts}
     try:
-        if proc is not None:
-            wait_ready(url, proc)
-        client = openai.OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0,
-                               timeout=3600)
-        model = a.model or client.models.list().data[0].id
-        run_level(client, model, 1, 4)  # warm-up (kernel compilation, caches)
-        rows = [run_level(client, model, n, a.max_tokens) for n in levels]
+        for t in ts:
+            t.ready()
+        for t in ts:  # warm-up: kernel compilation, first-touch of the weights, every batch width
+            run_level(t.client, t.model, 1, 4)
+            run_level(t.client, t.model, max(levels), 4)
+        for i, n in enumerate(levels):
+            for t in (ts if i % 2 == 0 else ts[::-1]):
+                row = run_level(t.client, t.model, n, a.max_tokens)
+                results[t.name]["rows"].append(row)
+                print(f"[{t.name}] {json.dumps(row)}", file=sys.stderr)
+        for t in (ts[::-1] if len(levels) % 2 else ts):
+            results[t.name]["solo_prefill_s"] = solo_prefill(t.client, t.model)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
-    base = rows[0]["tokens_per_s"] or 1.0
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base
+        for t in ts:
+            t.close()
+    for r in results.values():
+        base = r["rows"][0]["tokens_per_s"] or 1.0
+        for row in r["rows"]:
+            row["speedup"] = row["tokens_per_s"] / base
+            row["ttft_p99_over_solo_prefill"] = row["ttft_p99_s"] / r["solo_prefill_s"]
     if a.json:
-        print(json.dumps({"server": a.gemmalite or a.llama_server or url, "rows": rows}, indent=2))
-    else:
-        print(f"{'streams':>7} {'tok/s':>8} {'x1':>6} {'TTFT p50':>9} {'TTFT p99':>9}")
-        for r in rows:
-            print(f"{r['streams']:>7} {r['tokens_per_s']:>8.2f} {r['speedup']:>6.2f} {r['ttft_p50_s']:>8.2f}s "
-                  f"{r['ttft_p99_s']:>8.2f}s")
+        print(json.dumps({"prompt": PROMPT, "max_tokens": a.max_tokens, "threads": a.threads, "servers": results},
+                         indent=2))
+        return 0
+    print(f"{'server':<14} {'streams':>7} {'tok/s':>8} {'x1':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'p99/solo':>8}")
+    for name, r in results.items():
+        for row in r["rows"]:
+            print(f"{name:<14} {row['streams']:>7} {row['tokens_per_s']:>8.2f} {row['speedup']:>6.2f} "
+                  f"{row['ttft_p50_s']:>8.2f}s {row['ttft_p99_s']:>8.2f}s {row['ttft_p99_over_solo_prefill']:>8.2f}")
+        print(f"{name:<14} solo prefill (time to first token, one request alone): {r['solo_prefill_s']:.3f} s")
+    if len(results) == 2:
+        (na, ra), (nb, rb) = results.items()
+        print(f"tok/s {na} / {nb}: " + "  ".join(f"{x['streams']}: {x['tokens_per_s'] / max(y['tokens_per_s'], 1e-9):.2f}"
+                                                  for x, y in zip(ra["rows"], rb["rows"])))
     return 0
 
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Where a decode step's time goes, per weight shape: calls, ms per token, achieved GB/s.
+"""Where a decode step's time goes, per weight shape: calls, ms per step, achieved GB/s.
 
-Wraps every quantized/float matrix product with T=1 in a timer while a model decodes greedily,
-then prints one line per matrix shape (largest time first) and the time outside the products.
+Wraps every quantized/float matrix product of a decode step in a timer while a model decodes
+greedily, then prints one line per matrix shape (largest time first) and the time outside the
+products. ``--batch B`` steps B sequences together (`Engine.decode_batch`, what the server's
+continuous batching runs): the products then read each weight once for B rows.
 
-    python scripts/profile_decode.py MODEL [--tokens 20] [--prompt 16]
+    python scripts/profile_decode.py MODEL [--tokens 20] [--prompt 16] [--batch 1]
 """
 from __future__ import annotations
 
@@ -22,37 +24,56 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1, help="sequences stepped together (Engine.decode_batch)")
+    ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    m = gemmalite.load(a.model)
+    m = gemmalite.load(a.model, threads=a.threads)
     ids = list(np.random.default_rng(0).integers(1000, m.config.vocab_size, a.prompt))
     list(m.generate_tokens(ids, max_new_tokens=4, temperature=0))  # warm-up (compiles kernels)
     stats: dict = collections.defaultdict(lambda: [0, 0.0, 0])
+    depth = [0]  # only the outermost product counts (a fallback matmul_each calls matmul)
     for cls in (quant.Int8Matrix, quant.Int4Matrix, matrix.F32Matrix, matrix.HalfMatrix, ggml.GGMLMatrix):
-        def timed(self, x, _orig=cls.matmul):
-            t = time.perf_counter()
-            y = _orig(self, x)
-            if x.shape[0] == 1:
-                s = stats[(type(self).__name__, self.shape)]
-                s[0] += 1
-                s[1] += time.perf_counter() - t
-                s[2] = self.nbytes
-            return y
-        cls.matmul = timed
+        for meth in ("matmul", "matmul_each"):
+            orig = cls.__dict__.get(meth)
+            if orig is None:
+                continue
+
+            def timed(self, x, _orig=orig):
+                depth[0] += 1
+                t = time.perf_counter()
+                try:
+                    return _orig(self, x)
+                finally:
+                    depth[0] -= 1
+                    if depth[0] == 0 and x.shape[0] <= a.batch:
+                        s = stats[(type(self).__name__, self.shape)]
+                        s[0] += 1
+                        s[1] += time.perf_counter() - t
+                        s[2] = self.nbytes
+            setattr(cls, meth, timed)
     engine = m.engine
-    state = engine.new_state()
-    logits = engine.logits(engine.prefill(state, np.asarray(ids)))[0]  # prefill, not counted
+    states = [engine.new_state() for _ in range(a.batch)]
+    toks = []
+    for b, state in enumerate(states):  # prefill, not counted
+        pids = list(np.random.default_rng(b).integers(1000, m.config.vocab_size, a.prompt))
+        toks.append(int(np.argmax(engine.logits(engine.prefill(state, np.asarray(pids)))[0])))
+    if a.batch > 1:
+        engine.decode_batch(states, toks)  # warm-up of the batch-width kernels
     stats.clear()
     t = time.perf_counter()
     for _ in range(a.tokens):  # greedy decode steps, as `gemmalite bench` times them
-        logits = engine.decode_step(state, int(np.argmax(logits)))
+        if a.batch == 1:
+            toks = [int(np.argmax(engine.decode_step(states[0], toks[0])))]
+        else:
+            toks = [int(i) for i in np.argmax(engine.decode_batch(states, toks), axis=1)]
     n = a.tokens
     step = (time.perf_counter() - t) / n
     for (kind, shape), (calls, sec, nbytes) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        print(f"{kind:12s} {str(shape):16s} calls/token {calls / n:5.0f}  ms/token {sec / n * 1e3:7.2f}  "
+        print(f"{kind:12s} {str(shape):16s} calls/step {calls / n:5.0f}  ms/step {sec / n * 1e3:7.2f}  "
               f"{nbytes * calls / sec / 1e9:5.1f} GB/s")
     products = sum(s[1] for s in stats.values()) / n
-    print(f"decode step {step * 1e3:.1f} ms: products {products * 1e3:.1f} ms, "
-          f"everything else {(step - products) * 1e3:.1f} ms")
+    print(f"decode step of {a.batch} sequence(s) {step * 1e3:.1f} ms ({a.batch / step:.2f} tokens/s): products "
+          f"{products * 1e3:.1f} ms, everything else {(step - products) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

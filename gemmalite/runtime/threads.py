@@ -116,14 +116,27 @@ class Governor:
 GOVERNOR = Governor()
 
 
+_inside = threading.local()  # compute() depth per thread: an inner compute() keeps the outer's count
+
+
 @contextmanager
 def compute(threads: int | None) -> Iterator[int]:
-    """Hold the compute lock for one step on ``threads`` threads (None: the governor chooses)."""
+    """Hold the compute lock for one step on ``threads`` threads (None: the governor chooses).
+    Nested inside another `compute` (of this thread), it runs on the outer one's count."""
     with COMPUTE_LOCK:
-        if threads is not None:
-            yield set_numba_threads(threads)
-            return
-        n = set_numba_threads(GOVERNOR.choose())
-        t0, w0 = GOVERNOR.clock(), GOVERNOR.wait_clock()
-        yield n
-        GOVERNOR.observe(n, GOVERNOR.clock() - t0, GOVERNOR.wait_clock() - w0)
+        depth = getattr(_inside, "depth", 0)
+        _inside.depth = depth + 1
+        try:
+            if depth:
+                import numba
+
+                yield numba.get_num_threads()
+            elif threads is not None:
+                yield set_numba_threads(threads)
+            else:
+                n = set_numba_threads(GOVERNOR.choose())
+                t0, w0 = GOVERNOR.clock(), GOVERNOR.wait_clock()
+                yield n
+                GOVERNOR.observe(n, GOVERNOR.clock() - t0, GOVERNOR.wait_clock() - w0)
+        finally:
+            _inside.depth = depth

@@ -25,7 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..runtime.engine import SoftTokens
 from ..runtime.generate import stop_sets
+from ..vision.prompt import message_images
 from .metrics import Metrics
 from .protocol import (APIError, Generation, Limits, bad, chat_messages, completion_prompt, embedding_inputs,
                        generation, opt_int, require_model)
@@ -109,7 +111,7 @@ class Server:
         return Route(path, endpoint, methods=methods)
 
     # -- generation ---------------------------------------------------------------------
-    def _prepare(self, ids: list[int], gen: Generation, chat: bool) -> Sequence:
+    def _prepare(self, ids: list[int], gen: Generation, chat: bool, soft: SoftTokens | None = None) -> Sequence:
         n, ctx = len(ids), self.context
         if n >= ctx:
             raise bad(f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens",
@@ -126,7 +128,7 @@ class Server:
         except ValueError as e:
             raise bad(str(e)) from None
         return Sequence(ids=list(ids), max_tokens=max_tokens, params=params, stop_ids=stop_ids,
-                        stop_strings=stop_strings, sink=lambda ev: None)
+                        stop_strings=stop_strings, sink=lambda ev: None, soft=soft)
 
     async def _run(self, request: Request, seq: Sequence, gen: Generation, chunk: Callable[..., dict],
                    final: Callable[[str, Finish], dict]) -> Response:
@@ -194,14 +196,26 @@ class Server:
         body = await self.read_json(request)
         require_model(body, self.model_id, "chat")
         gen = generation(body, self.limits)
-        messages = chat_messages(body)
+        messages = chat_messages(body, self.limits)
+        images = message_images(messages)
+        if images and self.model.vision is None:
+            raise bad(f"the model {self.model_id!r} has no vision tower: it takes no image_url parts", "messages",
+                      "images_not_supported")
         try:
             ids = await run_in_threadpool(self.tokenizer.chat_ids, messages, add_generation_prompt=True)
         except ValueError as e:
             raise bad(f"cannot render the conversation: {e}", "messages") from None
         except Exception as e:  # jinja2's TemplateError (the template's raise_exception)
             raise bad(f"the chat template refused the conversation: {e}", "messages") from None
-        seq = self._prepare(ids, gen, chat=True)
+        soft = None
+        if images:  # decoded and through the vision tower here (a worker thread), not in the scheduler
+            try:
+                arr, soft = await run_in_threadpool(self.model.with_images, ids, images,
+                                                    max_pixels=self.limits.max_image_pixels)
+            except ValueError as e:  # ImageError: not a picture, corrupt, too many pixels, placeholders
+                raise bad(str(e), "messages", "invalid_image") from None
+            ids = arr.tolist()
+        seq = self._prepare(ids, gen, chat=True, soft=soft)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
 
@@ -269,7 +283,11 @@ class Server:
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
     def _count_tokens(self, texts: list[str]) -> int:
-        tok = getattr(self.embedder, "tokenizer", None)
+        """The tokens the embedder ran: its default prompt and special tokens included."""
+        emb = self.embedder
+        if hasattr(emb, "tokenize"):
+            return sum(len(x) for x in emb.tokenize(texts, prompt=emb.resolve_prompt(None, None)))
+        tok = getattr(emb, "tokenizer", None)
         return sum(len(tok.encode(t)) for t in texts) if tok is not None else 0
 
     def _model_cards(self) -> list[dict]:

@@ -5,6 +5,8 @@ nothing a client sends reaches the engine unchecked.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,9 @@ class Limits:
     max_inputs: int = 256  # embedding inputs per request
     max_stop: int = 4
     max_stop_chars: int = 256
+    max_images: int = 8  # image_url parts per request
+    max_image_bytes: int = 3 << 20  # one decoded picture (its base64 must also fit in the body)
+    max_image_pixels: int = 1 << 25  # width x height, read from the header before decoding
 
 
 # -- typed field readers -------------------------------------------------------------------
@@ -134,12 +139,13 @@ def generation(body: dict, limits: Limits) -> Generation:
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it: roles, and content as one string."""
+def chat_messages(body: dict, limits: Limits) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it: roles, and content as one string, or as
+    text and ``{"type": "image", "image": bytes}`` parts when it carries pictures (data URLs)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
-    out = []
+    out, images = [], 0
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -147,27 +153,63 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), role, where)})
+        content = _content(m.get("content"), role, where, limits)
+        images += sum(1 for p in content if p["type"] == "image") if isinstance(content, list) else 0
+        if images > limits.max_images:
+            raise bad(f"at most {limits.max_images} images per request", f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
-def _content(c: Any, role: str, where: str) -> str:
+def _content(c: Any, role: str, where: str, limits: Limits) -> str | list[dict[str, Any]]:
     if isinstance(c, str):
         return c
     if c is None and role == "assistant":
         return ""
     if not isinstance(c, list):
         raise bad(f"{where}.content must be a string or a list of content parts", f"{where}.content")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(c):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("image_url", "input_audio", "file"):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            parts.append({"type": "image", "image": image_bytes(part.get("image_url"), f"{where}.content[{j}]", limits)})
+        elif kind in ("input_audio", "file"):
             raise bad(f"{where}.content[{j}]: {kind} parts are not supported by this model", f"{where}.content")
         else:
-            raise bad(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}", f"{where}.content")
-    return "\n".join(texts)
+            raise bad(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}} or "
+                      "{'type': 'image_url', 'image_url': {'url': 'data:...'}}", f"{where}.content")
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def image_bytes(image_url: Any, where: str, limits: Limits) -> bytes:
+    """The picture of an ``image_url`` part: a base64 data URL, size-checked before and after
+    decoding. Web addresses are refused: this server never fetches anything."""
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise bad(f"{where}.image_url must be {{'url': 'data:image/...;base64,...'}}", where)
+    if url.startswith(("http://", "https://")):
+        raise bad(f"{where}: image URLs are not fetched by this server; send the picture inline as a data URL "
+                  "(data:image/png;base64,...)", where, "image_url_not_supported")
+    head, comma, payload = url.partition(",")
+    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+        raise bad(f"{where}: the image URL must be a base64 data URL (data:image/png;base64,...)", where, "invalid_image")
+    too_big = bad(f"{where}: the picture is larger than the {limits.max_image_bytes} bytes allowed", where,
+                  "image_too_large")
+    if len(payload) > 4 * (limits.max_image_bytes // 3 + 1):
+        raise too_big
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{where}: the data URL is not valid base64", where, "invalid_image") from None
+    if not data:
+        raise bad(f"{where}: the picture is empty", where, "invalid_image")
+    if len(data) > limits.max_image_bytes:
+        raise too_big
+    return data
 
 
 def completion_prompt(body: dict, vocab: int) -> str | list[int]:

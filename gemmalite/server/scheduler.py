@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..runtime.engine import SoftTokens
 from ..runtime.generate import TextCutter, common_prefix
 from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
@@ -56,6 +57,7 @@ class Sequence:
     stop_strings: list[str]
     sink: Callable[[Any], None]
     cancelled: bool = False
+    soft: SoftTokens | None = None  # rows of ``ids`` given as embeddings (pictures)
     # filled in by the scheduler
     state: Any = None
     sampler: Sampler | None = None
@@ -80,7 +82,8 @@ class PrefixCache:
         self.states: list[Any] = []  # oldest first
 
     def take(self, ids: list[int]) -> tuple[Any, int]:
-        """A state whose first ``reuse`` tokens equal ``ids``' (reuse < len(ids)), and ``reuse``."""
+        """A state whose first ``reuse`` tokens equal ``ids``' (reuse < len(ids)), and ``reuse``.
+        Picture rows are compared by their keys (`SoftTokens.keyed`): a changed picture ends the match."""
         best, reuse = None, 0
         for s in self.states:
             n = min(common_prefix(s.tokens, ids), len(ids) - 1)
@@ -185,14 +188,16 @@ class Scheduler:
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
 
     def _prefill(self, seq: Sequence) -> None:
-        seq.state, seq.cached = self.cache.take(seq.ids)
+        soft = seq.soft
+        seq.state, seq.cached = self.cache.take(soft.keyed(seq.ids) if soft is not None else seq.ids)
         seq.sampler = Sampler(seq.params)
         seq.cutter = TextCutter(self.tokenizer, seq.stop_strings)
         seq.history = list(seq.ids)
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
             return
-        h = self.engine.prefill(seq.state, np.asarray(seq.ids[seq.cached:], dtype=np.int64))
+        h = self.engine.prefill(seq.state, np.asarray(seq.ids[seq.cached:], dtype=np.int64),
+                                soft.after(seq.cached) if soft is not None else None)
         self.metrics.observe("gemmalite_time_to_first_token_seconds", time.perf_counter() - seq.submitted)
         self.metrics.inc("gemmalite_prompt_tokens_total", len(seq.ids))
         self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)

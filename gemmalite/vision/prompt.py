@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ImageError
-from .preprocess import ImageInput, ImagePatches, ImageProcessorConfig, preprocess
+from ..runtime.threads import compute
+from .preprocess import MAX_PIXELS, ImageInput, ImagePatches, ImageProcessorConfig, preprocess
 from .tower import VisionTower, build_vision_tower, vision_prefixes
 
 KEY_SPACE = 1 << 62
@@ -90,7 +91,8 @@ class Vision:
             if soft is not None:
                 self._cache.move_to_end(digest)
                 return digest, soft
-        soft = self.tower(patches)
+        with compute(None):  # the kernels' thread pool is process-wide: one step at a time (a server decodes meanwhile)
+            soft = self.tower(patches)
         with self._lock:
             self._cache[digest] = soft
             while len(self._cache) > CACHED_IMAGES:
@@ -98,9 +100,10 @@ class Vision:
         return digest, soft
 
     def prompt(self, ids: Sequence[int], images: Sequence[ImageInput], *, max_soft_tokens: int | None = None,
-               videos: Sequence[Sequence[ImageInput]] = ()) -> ImagePrompt:
+               videos: Sequence[Sequence[ImageInput]] = (), max_pixels: int = MAX_PIXELS) -> ImagePrompt:
         """Expand each image placeholder of ``ids`` with the next image, and each video placeholder
-        with the next video's frames (as many placeholders of each kind as inputs)."""
+        with the next video's frames (as many placeholders of each kind as inputs); an image file
+        over ``max_pixels`` is refused from its header."""
         ids = np.asarray(ids, dtype=np.int64)
         t = self.tokens
         image_slots, video_slots = np.flatnonzero(ids == t.image), np.flatnonzero(ids == t.video)
@@ -117,7 +120,7 @@ class Vision:
             offset += slot - start
             for frame in frames:
                 cfg, budget = (self.processor, max_soft_tokens) if token == t.image else (self.video.image, None)
-                digest, soft = self.soft_tokens(preprocess(frame, cfg, max_soft_tokens=budget))
+                digest, soft = self.soft_tokens(preprocess(frame, cfg, max_soft_tokens=budget, max_pixels=max_pixels))
                 n = soft.shape[0]
                 pieces += [[t.begin], np.full(n, token), [t.end]]
                 rows.append(np.arange(offset + 1, offset + 1 + n))

@@ -121,6 +121,10 @@ def test_compute_uses_an_explicit_count_as_given_and_the_governor_otherwise(monk
     with th.compute(None) as n:
         assert n == 1 == numba.get_num_threads()
     assert th.GOVERNOR.left == 4
+    with th.compute(min(2, pool)):  # an inner step keeps the outer count and is not judged apart
+        with th.compute(None) as n:
+            assert n == min(2, pool) == numba.get_num_threads()
+    assert th.GOVERNOR.left == 4
 
 
 def test_check_threads():

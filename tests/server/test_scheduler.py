@@ -31,7 +31,7 @@ class CountingEngine:
     def new_state(self) -> KVState:
         return KVState({}, context=64)
 
-    def prefill(self, state, ids):
+    def prefill(self, state, ids, soft=None):
         state.length += len(ids)
         state.tokens.extend(int(i) for i in ids)
         return np.array([[float(ids[-1])]])

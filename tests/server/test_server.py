@@ -4,85 +4,20 @@ the same model (computed before the server serves, never concurrently with it)."
 from __future__ import annotations
 
 import base64
-import http.client
 import json
-import re
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from live_server import KEY, LiveServer, stream_text
 
-KEY = "test-key-123"
 MODEL_ID = "tiny-gemma"
-EMB_ID = "fake-embedder"
+EMB_ID = "eg2-tiny"
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):",
            "Roses are red", "A B C", "Gemma runs on the CPU"]
-
-
-class FakeEmbedder:
-    """Stands in for gemmalite.embeddings (not in this branch): the server only relays its output."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def embed(self, texts, dimensions=None):
-        out = []
-        for t in texts:
-            v = np.random.default_rng(sum(self.tokenizer.encode(t))).standard_normal(64).astype(np.float32)
-            v = v[:dimensions] if dimensions else v
-            out.append(v / np.linalg.norm(v))
-        return np.stack(out)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, app):
-        self.app = app
-        self.srv = app.state.server
-        self.port = _free_port()
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        t0 = time.time()
-        while not self.uv.started:
-            assert time.time() - t0 < 30, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-
-    def client(self, key=KEY, **kw):
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0, timeout=60, **kw)
-
-    def raw(self, method, path, body=None, headers=None, key=KEY):
-        """(status, headers, parsed JSON or text) of one plain HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
-        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-        conn.request(method, path, body=data, headers=h)
-        r = conn.getresponse()
-        text = r.read().decode()
-        conn.close()
-        try:
-            return r.status, dict(r.getheaders()), json.loads(text)
-        except ValueError:
-            return r.status, dict(r.getheaders()), text
-
-    def metric(self, name, labels=""):
-        _, _, text = self.raw("GET", "/metrics")
-        m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +26,14 @@ def model(tmp_path_factory, gl):
 
     path = synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False)
     return gl.load(path, context=256)
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory, gl):
+    """A real EmbeddingGemma 2 (random weights, real tokenizer, the standard prompt table)."""
+    from gemmalite.tools.synth_eg2 import synth_eg2
+
+    return gl.load_embedder(synth_eg2("eg2-tiny", tmp_path_factory.mktemp("eg2"), progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -112,25 +55,14 @@ def refs(model):
 
 
 @pytest.fixture(scope="module")
-def live(model, refs):
+def live(model, refs, embedder):
     from gemmalite.server import build_app
 
-    app = build_app(model, FakeEmbedder(model.tokenizer), model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY,
+    app = build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY,
                     max_concurrency=4, max_queue=8, prefix_cache=4)
     s = LiveServer(app)
     yield s
     s.stop()
-
-
-def _stream_text(stream) -> tuple[str, str | None, object]:
-    text, finish, usage = [], None, None
-    for ch in stream:
-        if ch.usage is not None:
-            usage = ch.usage
-        for c in ch.choices:
-            text.append(getattr(c, "delta", None) and c.delta.content or getattr(c, "text", "") or "")
-            finish = c.finish_reason or finish
-    return "".join(text), finish, usage
 
 
 def test_chat_equals_model(live, refs):
@@ -143,7 +75,7 @@ def test_chat_equals_model(live, refs):
         assert r.usage.completion_tokens <= 10 and r.usage.prompt_tokens > 0
         s = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_completion_tokens=10, temperature=0,
                                       stream=True, stream_options={"include_usage": True})
-        text, finish, usage = _stream_text(s)
+        text, finish, usage = stream_text(s)
         assert (text, finish) == (refs[("chat", p)], r.choices[0].finish_reason)
         assert usage.completion_tokens == r.usage.completion_tokens
     # content parts, a system message, seeded sampling
@@ -157,7 +89,7 @@ def test_completions_equal_model(live, refs):
     p = PROMPTS[0]
     r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0)
     assert r.choices[0].text == refs[("gen", p)]
-    text, _, _ = _stream_text(c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0, stream=True))
+    text, _, _ = stream_text(c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0, stream=True))
     assert text == refs[("gen", p)]
     stop = refs[("gen", p)][3:5]
     r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=20, temperature=0, stop=[stop])
@@ -191,7 +123,7 @@ def test_concurrent_clients_no_crosstalk(live, refs):
         if i % 2:
             s = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0.9, top_p=0.9, seed=i,
                                      stream=True)
-            return _stream_text(s)[0], refs[("sample", p)]
+            return stream_text(s)[0], refs[("sample", p)]
         r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, temperature=0)
         return r.choices[0].text, refs[("gen", p)]
 
@@ -206,17 +138,30 @@ def test_concurrent_clients_no_crosstalk(live, refs):
     assert seqs / steps > 1.5  # sequences really were decoded together
 
 
-def test_embeddings(live, model):
+def test_embeddings_equal_embedder(live, embedder):
+    """/v1/embeddings gives `Embedder.embed` / `embed_ids` (the checkpoint's default prompt, as a
+    caller of embed gets it): floats, base64 little-endian float32, Matryoshka dimensions."""
     c = live.client()
-    emb = FakeEmbedder(model.tokenizer)
-    r = c.embeddings.create(model=EMB_ID, input=["a cat", "a dog"])
-    np.testing.assert_array_equal(np.array([d.embedding for d in r.data], np.float32), emb.embed(["a cat", "a dog"]))
-    assert r.usage.prompt_tokens == sum(len(model.tokenizer.encode(t)) for t in ["a cat", "a dog"])
+    texts = ["a cat", "a dog sleeps on the mat"]
+    r = c.embeddings.create(model=EMB_ID, input=texts, encoding_format="float")
+    got = np.array([d.embedding for d in r.data], np.float32)
+    np.testing.assert_array_equal(got, embedder.embed(texts))
+    assert [d.index for d in r.data] == [0, 1] and got.shape == (2, embedder.dim)
+    prompt = embedder.resolve_prompt(None, None)
+    assert r.usage.prompt_tokens == sum(len(x) for x in embedder.tokenize(texts, prompt=prompt))
     status, _, body = live.raw("POST", "/v1/embeddings", {"model": EMB_ID, "input": "x", "dimensions": 16,
                                                            "encoding_format": "base64"})
     assert status == 200
     v = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), "<f4")
-    np.testing.assert_array_equal(v, emb.embed(["x"], dimensions=16)[0])
+    np.testing.assert_array_equal(v, embedder.embed(["x"], dimensions=16)[0])
+    r = c.embeddings.create(model=EMB_ID, input=texts[1], dimensions=24)  # the client's own base64 default
+    np.testing.assert_array_equal(np.array(r.data[0].embedding, np.float32), embedder.embed([texts[1]], dimensions=24)[0])
+    ids = [[2, 818, 5279, 529, 1], [2, 9, 1]]
+    r = c.embeddings.create(model=EMB_ID, input=ids, encoding_format="float")
+    np.testing.assert_array_equal(np.array([d.embedding for d in r.data], np.float32), embedder.embed_ids(ids))
+    assert r.usage.prompt_tokens == 8
+    status, _, body = live.raw("POST", "/v1/embeddings", {"model": EMB_ID, "input": "x", "dimensions": 10**6})
+    assert status == 400 and "dimensions" in body["error"]["message"], body
 
 
 BAD = [  # (path, body, status)
