@@ -22,12 +22,15 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import ContextError
 from ..kernels.ops import softcap
 from ..settings import usable_cpus
 from ..weights.matrix import Matrix
 from .cache import KVState
 
 COMPUTE_LOCK = threading.RLock()
+PREFILL_CHUNK = 512  # prompt tokens per graph call: activations and the attention's key
+# windows stay this size however long the prompt, so memory stays flat
 
 
 def check_threads(threads: int | None) -> int | None:
@@ -78,9 +81,9 @@ class SoftTokens:
     vectors: np.ndarray  # float32 [n, H]
     keys: np.ndarray  # int64 [n], negative (never a token id)
 
-    def after(self, start: int) -> "SoftTokens | None":
-        """The rows from prompt position ``start`` on, renumbered from there (None if none)."""
-        keep = self.rows >= start
+    def after(self, start: int, stop: int | None = None) -> "SoftTokens | None":
+        """The rows from prompt position ``start`` on (to ``stop``), renumbered from there (None if none)."""
+        keep = (self.rows >= start) & (self.rows < (stop if stop is not None else np.iinfo(np.int64).max))
         if not keep.any():
             return None
         return SoftTokens(self.rows[keep] - start, self.vectors[keep], self.keys[keep])
@@ -117,9 +120,30 @@ class Engine:
     def forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None = None,
                 capture: list | None = None, soft: SoftTokens | None = None) -> np.ndarray:
         """Run ``ids`` after what ``state`` holds; final hidden states of the ``keep`` rows (all by
-        default). Host row lookups (``soft`` rows given, not looked up), then the graph; the ids
-        (``soft``'s keys for its rows) are recorded in ``state.tokens``."""
-        ids = np.asarray(ids, dtype=np.int64)
+        default), in ``PREFILL_CHUNK``-token graph calls (one call with ``capture``, for debugging).
+        Host row lookups (``soft`` rows given, not looked up), then the graph; the ids (``soft``'s
+        keys for its rows) are recorded in ``state.tokens``."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        if capture is not None or n <= PREFILL_CHUNK:
+            return self._forward(state, ids, keep, capture, soft)
+        if state.length + n > state.context:
+            raise ContextError(f"sequence of {state.length + n} tokens exceeds the context of {state.context}")
+        want = np.arange(n) if keep is None else np.asarray(keep, dtype=np.int64).reshape(-1) % n
+        rows = np.unique(want)  # sorted: each chunk keeps a contiguous run of them
+        parts = []
+        for c0 in range(0, n, PREFILL_CHUNK):
+            c1 = min(n, c0 + PREFILL_CHUNK)
+            mine = rows[(rows >= c0) & (rows < c1)] - c0
+            # a chunk with no wanted row still keeps one (the last), so KV-shared layers run one row
+            h = self._forward(state, ids[c0:c1], mine if mine.size else np.array([c1 - c0 - 1]), None,
+                              soft.after(c0, c1) if soft is not None else None)
+            if mine.size:
+                parts.append(h)
+        return np.concatenate(parts)[np.searchsorted(rows, want)]
+
+    def _forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None, capture: list | None,
+                 soft: SoftTokens | None) -> np.ndarray:
         look = ids
         if soft is not None:
             look = ids.copy()
