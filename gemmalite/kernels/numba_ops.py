@@ -7,25 +7,41 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .common import bf2f, h2f
+
 ROWS_PER_TASK = 64
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def bf16_matmul_small(x, w, out):  # pragma: no cover - compiled
-    """out[t, r] = sum_c x[t, c] * bf16(w[r, c]); w is the raw uint16 bit pattern."""
+def half_matmul_small(x, w, bf16, out):  # pragma: no cover - compiled
+    """out[t, r] = sum_c x[t, c] * float32(w[r, c]) for a few rows of x; ``w`` holds the raw
+    uint16 bits of bfloat16 (``bf16``) or float16 values, converted in registers as they are
+    read: 2 bytes per weight from memory, no float32 copy."""
     R, C = w.shape
     T = x.shape[0]
-    for b in prange((R + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        bits = np.empty(C, np.uint32)
-        f = bits.view(np.float32)
-        for r in range(b * ROWS_PER_TASK, min(R, (b + 1) * ROWS_PER_TASK)):
-            for c in range(C):
-                bits[c] = np.uint32(w[r, c]) << 16
-            for t in range(T):
-                acc = np.float32(0.0)
+    for r in prange(R):
+        for t in range(T):
+            acc = np.float32(0.0)
+            if bf16:
                 for c in range(C):
-                    acc += x[t, c] * f[c]
-                out[t, r] = acc
+                    acc += x[t, c] * bf2f(w[r, c])
+            else:
+                for c in range(C):
+                    acc += x[t, c] * h2f(w[r, c])
+            out[t, r] = acc
+
+
+@njit(cache=True, boundscheck=False)
+def half_rows_to_f32(w, r0, bf16, out):  # pragma: no cover - compiled
+    """Rows ``r0 .. r0 + len(out)`` of half-precision bits ``w`` into float32 ``out`` (serial:
+    prefill converts one block while BLAS, on all cores, multiplies the previous one)."""
+    for i in range(out.shape[0]):
+        if bf16:
+            for c in range(out.shape[1]):
+                out[i, c] = bf2f(w[r0 + i, c])
+        else:
+            for c in range(out.shape[1]):
+                out[i, c] = h2f(w[r0 + i, c])
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

@@ -45,8 +45,6 @@ call in a decode step; ``OPENBLAS_THREAD_TIMEOUT=4``).
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from ..kernels import common
@@ -60,7 +58,6 @@ __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 
 TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
-_PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per dequantized prefill block
 LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
 LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections gain)
 
@@ -73,23 +70,6 @@ def _ids(ids) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
 
 
-_scratch = threading.local()
-
-
-def _scratch_buffer(n: int) -> np.ndarray:
-    """A float32 buffer reused by the prefill products of the calling thread (grown on demand):
-    per thread, so that two requests computing at once never share it."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _scratch.buf = np.empty(n, dtype=np.float32)
-    return buf[:n]
-
-
-def _prefill_rows(cols: int) -> int:
-    b = _PREFILL_ELEMS // max(cols, 1)
-    return int(min(1024, max(256, b - b % 64)))
-
-
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != cols:
@@ -98,10 +78,6 @@ def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
 
 
 class _Quantized(Matrix):
-    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
-        """Rows ``r0 .. r0 + len(out)`` in float32 into ``out``."""
-        raise NotImplementedError
-
     def _dequant_ids(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ``ids`` (in range) in float32 into ``out``."""
         raise NotImplementedError
@@ -113,23 +89,6 @@ class _Quantized(Matrix):
             if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
                 raise IndexError("row id out of range")
             self._dequant_ids(ids % self.shape[0], out)
-        return out
-
-    def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
-        """Prefill: dequantize blocks of rows into a reused buffer, multiply with BLAS.
-
-        The dequantization runs on the calling thread only (serial numba kernel): with a
-        parallel one, numba's OpenMP workers and OpenBLAS's spinning workers would alternate
-        block by block and oversubscribe the two cores. BLAS uses all cores for the product.
-        """
-        n, k = self.shape
-        out = np.empty((x.shape[0], n), dtype=np.float32)
-        b = _prefill_rows(k)
-        buf = _scratch_buffer(min(b, n) * k).reshape(-1, k)
-        for r0 in range(0, n, b):
-            blk = buf[: min(b, n - r0)]
-            self._dequant_range(r0, blk)
-            np.matmul(x, blk.T, out=out[:, r0 : r0 + blk.shape[0]])
         return out
 
 

@@ -4,6 +4,7 @@ import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
+import gemmalite.weights.matrix as matrix  # noqa: E402
 import gemmalite.weights.quant as quant  # noqa: E402
 from gemmalite.formats.converted import QUANT_METHOD, assemble  # noqa: E402
 from gemmalite.kernels import common  # noqa: E402
@@ -107,7 +108,7 @@ def test_int8_blocked_quantize_and_large_prefill(monkeypatch):
     import gemmalite.weights.quant as quant
 
     monkeypatch.setattr(quant, "QUANT_BLOCK", 64)  # several row blocks, ragged last
-    monkeypatch.setattr(quant, "_PREFILL_ELEMS", 64 * 96)
+    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 96)
     w = _w(300, 96, seed=3).astype(ml_dtypes.bfloat16)
     m = Int8Matrix.quantize(w)
     ref = Int8Matrix.quantize(w.astype(np.float32))
@@ -235,7 +236,7 @@ def test_int4_prefill_blocks(monkeypatch):
     import gemmalite.weights.quant as quant
 
     monkeypatch.setattr(quant, "QUANT_BLOCK", 50)
-    monkeypatch.setattr(quant, "_PREFILL_ELEMS", 64 * 128)
+    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 128)
     w = _w(333, 128, seed=5).astype(ml_dtypes.bfloat16)
     m = Int4Matrix.quantize(w)
     _check_int4_bound(m, w)
