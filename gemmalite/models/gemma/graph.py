@@ -17,7 +17,7 @@ import numpy as np
 
 from ...errors import ContextError
 from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
-from ...runtime.cache import KVRing, KVState
+from ...runtime.cache import SPARE_SLOTS, KVRing, KVState
 from ...weights.matrix import Matrix
 from .config import ModelConfig
 from .contract import PROJECTIONS
@@ -70,12 +70,13 @@ class DecoderGraph:
         self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
 
     def new_state(self, context: int) -> KVState:
-        """Empty caches: a ring of ``sliding_window`` entries per sliding layer, ``context`` per full layer."""
+        """Empty caches: ``sliding_window + SPARE_SLOTS`` entries per sliding layer, ``context`` per full layer."""
         rings = {}
         for s in self.cfg.layers:
             if s.owns_kv:
                 window = min(self.cfg.sliding_window, context) if s.sliding else None
-                rings[s.index] = KVRing(window or context, s.num_kv_heads, s.head_dim, window)
+                size = min(window + SPARE_SLOTS, context) if window else context
+                rings[s.index] = KVRing(size, s.num_kv_heads, s.head_dim, window)
         return KVState(rings, context)
 
     def forward(
