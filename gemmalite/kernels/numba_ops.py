@@ -87,7 +87,10 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
 
     Same math and mask as kernels.attention (scores * scale, finite mask, max-subtracted
     softmax, weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's
-    worker threads asleep, so they never spin against numba's."""
+    worker threads asleep, so they never spin against numba's. A row's result does not depend
+    on the other rows of the call, nor on masked slots (later positions): a step of several
+    tokens gives each row bit for bit what a one-token step gives it (prompt-lookup
+    verification). A query that sees no slot gets zeros (never in the engine: a query sees itself)."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv
@@ -108,19 +111,18 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
                     acc += q[t, h, d] * k[j, kh, d]
                 s[j] = acc * scale
                 best = max(best, s[j])
-        tot = np.float32(0.0)
-        for j in range(N):
-            e = np.exp(s[j] - best)
-            s[j] = e
-            tot += e
-        inv = np.float32(1.0) / tot
         o = out[t, h * D : (h + 1) * D]
         o[:] = 0
-        for j in range(N):
-            p = s[j] * inv
-            if p != 0:
+        tot = np.float32(0.0)
+        for j in range(N):  # one pass, in slot order: the sums never depend on how many masked slots follow
+            if s[j] > masked:
+                e = np.exp(s[j] - best)
+                tot += e
                 for d in range(D):
-                    o[d] += p * v[j, kh, d]
+                    o[d] += e * v[j, kh, d]
+        inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+        for d in range(D):
+            o[d] *= inv
 
 
 @njit(inline="always", cache=True)

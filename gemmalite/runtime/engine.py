@@ -64,7 +64,7 @@ class Graph(Protocol):
     def new_state(self, context: int) -> KVState: ...
 
     def forward(self, state: KVState, x0: np.ndarray, ple_rows: np.ndarray | None,
-                keep: np.ndarray | None = None, capture: list | None = None) -> np.ndarray: ...
+                keep: np.ndarray | None = None, capture: list | None = None, each: bool = False) -> np.ndarray: ...
 
     def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray: ...
 
@@ -143,7 +143,7 @@ class Engine:
         return np.concatenate(parts)[np.searchsorted(rows, want)]
 
     def _forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None, capture: list | None,
-                 soft: SoftTokens | None) -> np.ndarray:
+                 soft: SoftTokens | None, each: bool = False) -> np.ndarray:
         look = ids
         if soft is not None:
             look = ids.copy()
@@ -154,7 +154,7 @@ class Engine:
             if soft is not None:
                 x0[soft.rows] = soft.vectors
             ple = self.ple_table.rows(look) * self.ple_scale if self.ple_table is not None else None
-            h = self.graph.forward(state, x0, ple, keep=keep, capture=capture)
+            h = self.graph.forward(state, x0, ple, keep=keep, capture=capture, each=each)
         state.tokens.extend(soft.keyed(ids) if soft is not None else (int(i) for i in ids))
         return h
 
@@ -162,15 +162,23 @@ class Engine:
         """Run a prompt (or the new part of one); the final hidden state of its last position ``[1, H]``."""
         return self.forward(state, ids, keep=np.array([len(ids) - 1]), soft=soft)
 
-    def logits(self, h: np.ndarray) -> np.ndarray:
-        """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap)."""
+    def logits(self, h: np.ndarray, each: bool = False) -> np.ndarray:
+        """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap);
+        ``each``: each row computed as alone (`Matrix.matmul_each`)."""
         with COMPUTE_LOCK:
             use_threads(self.threads)
-            return softcap(self.lm_head.matmul(h), self.softcap)
+            return softcap(self.lm_head.matmul_each(h) if each else self.lm_head.matmul(h), self.softcap)
 
     def decode_step(self, state: KVState, token: int) -> np.ndarray:
         """Append one token to ``state``; the logits ``[vocab]`` of the next position."""
         return self.logits(self.forward(state, np.array([token], dtype=np.int64)))[0]
+
+    def decode_rows(self, state: KVState, tokens) -> np.ndarray:
+        """Append a few tokens to ``state`` in one step (weights read once): logits ``[T, vocab]``,
+        row ``i`` exactly what ``decode_step`` gives after ``tokens[:i]`` (prompt-lookup verification:
+        every product row is computed as in a one-token step)."""
+        h = self._forward(state, np.asarray(tokens, dtype=np.int64), None, None, None, each=True)
+        return self.logits(h, each=True)
 
     def decode_batch(self, states: list[KVState], tokens) -> np.ndarray:
         """One token for each of B sequences in one pass over the weights: logits ``[B, vocab]``,

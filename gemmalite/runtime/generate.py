@@ -125,7 +125,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     latest earlier occurrence of the text's last n-gram are run in one step after the current
     token, and the sampler walks the step's rows in order, keeping drafts while they equal
     what it picks. Each kept row saw exactly the tokens plain decoding would have fed it, and
-    the few-row kernels compute each row bit for bit as a one-token step, so the tokens (and a
+    `Engine.decode_rows` computes each row bit for bit as a one-token step, so the tokens (and a
     seeded sampler's draws) are those of plain decoding; the KV entries of rejected drafts are
     rolled back (`KVState.truncate`)."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
@@ -167,7 +167,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.draft_tokens += len(drafts)
         t0 = time.perf_counter()
         if drafts:
-            rows = engine.logits(engine.forward(state, np.array([tok, *drafts], dtype=np.int64)))
+            rows = engine.decode_rows(state, [tok, *drafts])
         else:
             rows = engine.decode_step(state, tok)[None]
         stats.decode_s += time.perf_counter() - t0

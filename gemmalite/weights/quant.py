@@ -2,7 +2,8 @@
 
 Both classes implement :class:`gemmalite.weights.matrix.Matrix`. Activations stay 16/32-bit: the math
 is float32, so ``matmul(x)`` agrees with ``x @ dense().T`` to float32 rounding, except decode
-(T=1, AVX2), which rounds ``x`` to int16 per group (the int4 grid's groups; 32 values for
+rows (T <= FEW_ROWS, AVX2: a decode step or a prompt-lookup verification step; each row
+computed bit for bit as alone), which round ``x`` to int16 per group (the int4 grid's groups; 32 values for
 int8; step ``max|x| / 32767``: W8A16 / W4A16, as NPUs run them) so that the products are
 exact 16-bit integer multiply-adds (:mod:`gemmalite.kernels.simd`); that rounding is ~100 times
 smaller than the int8 weight error and ~1e4 times smaller than the int4 one.
@@ -48,10 +49,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import common
-from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv1_w4a16, i4_mv4, i4_mvn_w4a16,
+from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
-                             i8_mv1_rows4, i8_mv1_w8a16, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
-from ..kernels.simd import TILE_BLOCK, int16_activation_rows, int16_activations
+                             i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
+from ..kernels.simd import TILE_BLOCK, int16_activation_rows
 from .matrix import Matrix
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
@@ -146,11 +147,10 @@ class Int8Matrix(_Quantized):
         t = x.shape[0]
         if t > common.FEW_ROWS:
             return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
+        if self._int16_rows():
+            return self._rows_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
-        if t == 1 and common.HAVE_AVX2 and self.shape[1] % 32 == 0:
-            xq, xd, _ = int16_activations(x[0], 32)
-            i8_mv1_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
-        elif t == 1:
+        if t == 1:
             (i8_mv1_rows4 if self.shape[1] >= LONG_ROW else i8_mv1)(self.q, self.scale, x, out)
         elif t > 1:
             i8_mv4(self.q, self.scale, x, out)
@@ -158,8 +158,13 @@ class Int8Matrix(_Quantized):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
-        if not (common.HAVE_AVX2 and self.shape[1] % 32 == 0):
-            return super().matmul_each(x)
+        return self._rows_w8a16(x) if self._int16_rows() else super().matmul_each(x)
+
+    def _int16_rows(self) -> bool:
+        return common.HAVE_AVX2 and self.shape[1] % 32 == 0
+
+    def _rows_w8a16(self, x: np.ndarray) -> np.ndarray:
+        """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W8A16)."""
         xq, xd, _ = int16_activation_rows(x, 32)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i8_mvn_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
@@ -268,13 +273,10 @@ class Int4Matrix(_Quantized):
         t = x.shape[0]
         if t > common.FEW_ROWS:
             return self._matmul_blocked(x)
+        if common.HAVE_AVX2:
+            return self._rows_w4a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 0:
-            return out
-        if t == 1 and common.HAVE_AVX2:
-            xq, xd, xs = int16_activations(x[0], self.group)
-            i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
-                          4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
             return out
         xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
         group_sums(x, self.group, xs)
@@ -286,8 +288,10 @@ class Int4Matrix(_Quantized):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
-        if not common.HAVE_AVX2:
-            return super().matmul_each(x)
+        return self._rows_w4a16(x) if common.HAVE_AVX2 else super().matmul_each(x)
+
+    def _rows_w4a16(self, x: np.ndarray) -> np.ndarray:
+        """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W4A16)."""
         xq, xd, xs = int16_activation_rows(x, self.group)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i4_mvn_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
