@@ -37,12 +37,12 @@ def test_same_tokens_as_plain_decoding(model, opts):
             assert s.stats.draft_tokens > 0
 
 
-def test_greedy_repetitive_reply_keeps_drafts(model):
-    """A greedy reply running up to the end of the context: drafts are kept, and near the end
-    they are cut to what still fits."""
+def test_greedy_reply_up_to_the_context_end(model):
+    """A greedy reply running up to the end of the context (drafts are cut to what still fits).
+    Kept drafts are checked on the real Gemma 3 270M (tests/models), whose replies quote."""
     plain = model.generate_tokens(PROMPT, max_new_tokens=80 - len(PROMPT), temperature=0.0)
     s = model.generate_tokens(PROMPT, max_new_tokens=80 - len(PROMPT), temperature=0.0, stream=True, prompt_lookup=3)
-    assert list(s) == plain and s.stats.accepted_tokens > 0
+    assert list(s) == plain and s.stats.draft_tokens > 0 and s.stats.new_tokens == 80 - len(PROMPT)
 
 
 def test_stops_and_chat_sessions_match(model):
@@ -53,8 +53,8 @@ def test_stops_and_chat_sessions_match(model):
     msgs = [{"role": "user", "content": "one two three one two three one two"}]
     a, b = model.session(), model.session()
     for _ in range(2):
-        ra = a.chat(msgs, max_new_tokens=20, temperature=0.0)
-        rb = b.chat(msgs, max_new_tokens=20, temperature=0.0, prompt_lookup=True)
+        ra = a.chat(msgs, max_new_tokens=12, temperature=0.0, truncate=True)  # the tiny context: keep the end
+        rb = b.chat(msgs, max_new_tokens=12, temperature=0.0, truncate=True, prompt_lookup=True)
         assert ra == rb
         msgs = msgs + [{"role": "assistant", "content": ra}, {"role": "user", "content": "one two three again"}]
 
