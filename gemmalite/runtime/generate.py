@@ -175,7 +175,9 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
 
 def prompt_lookup_drafts(v) -> int:
     """Draft tokens per step for a call's ``prompt_lookup`` option: True = `PROMPT_LOOKUP_DRAFTS`,
-    False = 0, or a count >= 0 (at most ``FEW_ROWS - 1`` are used)."""
+    False or None = 0, or a count >= 0 (at most ``FEW_ROWS - 1`` are used)."""
+    if v is None:
+        return 0
     if isinstance(v, (bool, np.bool_)):
         return PROMPT_LOOKUP_DRAFTS if v else 0
     return inputs.integer(v, "prompt_lookup", 0)

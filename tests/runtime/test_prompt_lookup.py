@@ -59,11 +59,6 @@ def test_stops_and_chat_sessions_match(model):
         msgs = msgs + [{"role": "assistant", "content": ra}, {"role": "user", "content": "one two three again"}]
 
 
-def test_bad_prompt_lookup_value(model):
-    with pytest.raises(ValueError):
-        model.generate_tokens(PROMPT, max_new_tokens=3, prompt_lookup=-1)
-
-
 def test_lookup_drafts():
     h = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
     assert lookup_drafts(h, 3) == [2, 6, 7]  # latest earlier "6 7" (no "2 6 7" before)
