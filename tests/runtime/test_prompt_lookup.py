@@ -7,6 +7,7 @@ import pytest
 
 import hf_oracle as H
 from conftest import random_ids
+from gemmalite.kernels import common
 from gemmalite.runtime.generate import lookup_drafts
 
 VOCAB = 512
@@ -57,6 +58,33 @@ def test_stops_and_chat_sessions_match(model):
         rb = b.chat(msgs, max_new_tokens=12, temperature=0.0, truncate=True, prompt_lookup=True)
         assert ra == rb
         msgs = msgs + [{"role": "assistant", "content": ra}, {"role": "user", "content": "one two three again"}]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, gl):
+    path = tmp_path_factory.mktemp("pl_quant")
+    H.make_gemma4_checkpoint(path, tokenizer=True, **CONFIG)
+    return {q: gl.load(path, context=80, quant=q) for q in ("int8", "int4")}
+
+
+@pytest.mark.parametrize("avx2", [True, False], ids=["avx2", "portable"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4"])
+def test_decode_rows_equal_one_token_steps(model, quantized, kind, avx2, monkeypatch):
+    """`Engine.decode_rows` (a verification step) gives every row bit for bit the logits of
+    one-token steps, on every kernel path: the int16 decode kernels, and without AVX2 the
+    portable float ones (whose 2-4-row kernels sum differently: rows then go one at a time)."""
+    if avx2 and not common.HAVE_AVX2:
+        pytest.skip("the host has no AVX2")
+    monkeypatch.setattr(common, "HAVE_AVX2", avx2)
+    eng = (model if kind == "float32" else quantized[kind]).engine
+    head, toks = np.array(PROMPT[:-4]), PROMPT[-4:]
+    a, b = eng.new_state(), eng.new_state()
+    eng.prefill(a, head)
+    eng.prefill(b, head)
+    rows = eng.decode_rows(a, toks)
+    steps = np.stack([eng.decode_step(b, t) for t in toks])
+    np.testing.assert_array_equal(rows, steps)
+    assert a.tokens == b.tokens and a.length == b.length
 
 
 def test_lookup_drafts():
