@@ -19,7 +19,8 @@ from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
 from .runtime import inputs
-from .runtime.engine import Engine, check_threads, limit_blas_threads
+from .runtime.engine import Engine
+from .runtime.threads import check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
 from .vision.preprocess import ImageProcessorConfig

@@ -8,10 +8,13 @@ the user already set in the environment always wins. Nothing here imports numba 
   import then finds an empty namespace package instead of gemmalite. Here it lives under the
   user's cache folder, keyed by gemmalite version, numba version and CPU, so an upgrade (or a
   different CPU on a shared home folder) compiles afresh instead of loading stale code.
-* **Threads that sleep when they wait.** OpenMP workers (numba's ``omp`` layer) and OpenBLAS
-  workers spin for a long time after each parallel region; on a busy machine that spinning
-  takes the time slices the other thread of the same step needs, and every step waits for the
-  slowest thread (measured 5-40x slower than one thread). Waiting threads sleep at once.
+* **Threads that spin briefly, then sleep.** OpenMP workers (numba's ``omp`` layer) and OpenBLAS
+  workers wait at the end of every parallel region. libgomp's default spin (300000) or an
+  unbounded one (``OMP_WAIT_POLICY=ACTIVE``) takes, on a busy machine, the time slices the other
+  thread of the same step needs, and every step waits for the slowest (measured 5-40x slower
+  than one thread); no spin at all (``PASSIVE``) costs ~25 % of decode speed on an idle machine,
+  where every one of a decode step's hundreds of regions wakes a sleeping thread. So the spin is
+  short, and `runtime.threads.Governor` moves the steps to one thread while the machine is busy.
 """
 from __future__ import annotations
 
@@ -24,15 +27,13 @@ from pathlib import Path
 
 VERSION = "0.1.0"
 
-# Thread-waiting policy: short spins then sleep, for every runtime numba or numpy may load.
+# Thread-waiting policy, for every runtime numba or numpy may load.
 WAIT_SETTINGS = {
     "OPENBLAS_THREAD_TIMEOUT": "4",  # OpenBLAS: 2^(4+4) cycles of spin, then sleep
-    # OpenMP (GNU and Intel): sleeping waits. For libgomp (numba's `omp` layer here) PASSIVE means
-    # GOMP_SPINCOUNT 0; measured on a busy 2-core machine (tiny checkpoint, 200 tokens), a spin
-    # of 10000 cost 3x the CPU time of 0, and the default 300000 made Gemma 3 270M decode 8x slower.
-    "OMP_WAIT_POLICY": "PASSIVE",
     "KMP_BLOCKTIME": "0",            # Intel/LLVM OpenMP: no busy wait after a region
 }
+# libgomp (numba's `omp` layer here): a short spin, unless the user chose a policy of their own.
+GOMP_SPIN = "30000"
 
 
 def cache_root() -> Path:
@@ -87,6 +88,8 @@ def apply() -> None:
     """Set the environment (user values win). Too late for numba once it is imported: say so."""
     for k, v in WAIT_SETTINGS.items():
         os.environ.setdefault(k, v)
+    if "OMP_WAIT_POLICY" not in os.environ:  # GOMP_SPINCOUNT would override the user's policy
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN)
     if not os.environ.get("NUMBA_CACHE_DIR"):
         if "numba" in sys.modules:  # numba read its config already: tell its live config instead
             import numba.core.config as nconf

@@ -6,11 +6,16 @@ the latency of one short query and texts/s for 32 documents of 512 tokens, plus 
 Each engine runs in its own process with ``--threads`` threads, rounds interleaved; the table
 gives medians over the rounds.
 
-    python scripts/bench_eg2_peers.py MODEL [--rounds 3] [--threads 2] [--json]
+    python scripts/bench_eg2_peers.py MODEL [--converted-int8 DIR] [--rounds 3] [--threads 2] [--json]
 
-egemma2 (``pip install egemma2``) is tried through its Python client; it reads the whole
-multimodal checkpoint (``processor_config.json``, tower weights), so a text-only folder makes
-it fail, which the table reports.
+``--converted-int8``: a ``gemmalite convert --quant int8`` output of MODEL, timed as the int8 row
+(what a user runs; without it, MODEL is quantized on load, and the source's float32 pages count
+in its peak RSS). egemma2 (``pip install egemma2``, CPU, ``--threads`` / ``--small-threads`` set
+to the same count) runs through its Python client; it reads the whole multimodal checkpoint
+(``processor_config.json``, tower weights), so a text-only folder makes it fail, which the
+table reports. Its peak RSS is its server process's (``VmHWM``). Documents: random ordinary
+tokens for gemmalite and transformers (token ids), and a 510-word text that tokenizes to 512
+tokens with ``<bos>``/``<eos>`` for egemma2 (it takes text only).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ _WORKERS = {
     "gemmalite": """
 import json, sys
 from gemmalite.tools.bench_embed import bench_embedder
-r = bench_embedder(sys.argv[1], quant=None if sys.argv[2] == "none" else sys.argv[2], runs=1)
+r = bench_embedder(sys.argv[1], quant=None if sys.argv[2] in ("none", "converted") else sys.argv[2], runs=1)
 print(json.dumps({k: r[k] for k in ("load_s", "query_ms", "docs_texts_s", "peak_rss_bytes")}))
 """,
     "transformers": """
@@ -59,18 +64,28 @@ print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "doc
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """,
     "egemma2": """
-import json, resource, sys, time, statistics
-from egemma2 import Egemma2
+import json, os, stat, sys, tempfile, time, statistics
+from egemma2 import Egemma2, find_egemma2_bin
+n = sys.argv[3]
+exe = os.path.join(tempfile.mkdtemp(), "egemma2")  # the client puts no options before `serve`
+with open(exe, "w") as f:
+    f.write(f'#!/bin/sh\\nexec {find_egemma2_bin()} --threads {n} --small-threads {n} "$@"\\n')
+os.chmod(exe, stat.S_IRWXU)
+def hwm(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM"))
 t0 = time.perf_counter()
-with Egemma2(model_dir=sys.argv[1], device="cpu") as m:
+with Egemma2(exe=exe, model_dir=sys.argv[1], device="cpu") as m:
+    m.embed("warm up")
     load = time.perf_counter() - t0
     m.embed(sys.argv[5], prompt_name="SearchQuery"); ts = []
     for _ in range(10):
         t = time.perf_counter(); m.embed(sys.argv[5], prompt_name="SearchQuery"); ts.append(time.perf_counter() - t)
     docs = [" ".join(["word"] * 510) for _ in range(32)]
-    t = time.perf_counter(); m.embed(docs); d = time.perf_counter() - t
+    m.embed(docs[:2]); t = time.perf_counter(); m.embed(docs); d = time.perf_counter() - t
+    rss = hwm(m._proc.pid)
 print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": 32 / d,
-                  "peak_rss_bytes": None}))
+                  "peak_rss_bytes": rss}))
 """,
 }
 
@@ -88,15 +103,17 @@ def run(engine: str, model: str, quant: str, threads: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
+    ap.add_argument("--converted-int8", default=None, help="gemmalite convert --quant int8 output of MODEL")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    engines = [("gemmalite", "none"), ("gemmalite", "int8"), ("transformers", "none"), ("egemma2", "none")]
-    results: dict[str, list[dict]] = {f"{e}/{q}": [] for e, q in engines}
+    int8 = ("gemmalite", "converted", a.converted_int8) if a.converted_int8 else ("gemmalite", "int8", a.model)
+    engines = [("gemmalite", "none", a.model), int8, ("transformers", "none", a.model), ("egemma2", "none", a.model)]
+    results: dict[str, list[dict]] = {f"{e}/{q}": [] for e, q, _ in engines}
     for _ in range(a.rounds):
-        for e, q in engines:
-            results[f"{e}/{q}"].append(run(e, a.model, q, a.threads))
+        for e, q, path in engines:
+            results[f"{e}/{q}"].append(run(e, path, q, a.threads))
     table = {}
     for name, rs in results.items():
         ok = [r for r in rs if "error" not in r]

@@ -31,12 +31,26 @@ def test_numba_cache_dir_is_keyed_by_versions_and_cpu(monkeypatch, tmp_path):
 
 
 def test_user_values_win(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere/else")
-    settings.apply()
     import os
 
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere/else")
+    monkeypatch.setenv("KMP_BLOCKTIME", "200")
+    settings.apply()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["NUMBA_CACHE_DIR"] == "/somewhere/else"
+    assert "GOMP_SPINCOUNT" not in os.environ  # it would override the user's policy
+    assert os.environ["KMP_BLOCKTIME"] == "200"
+
+
+def test_short_spin_by_default(monkeypatch):
+    import os
+
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OPENBLAS_THREAD_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    settings.apply()
+    assert os.environ["GOMP_SPINCOUNT"] == settings.GOMP_SPIN and os.environ["KMP_BLOCKTIME"] == "0"
+    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == "4"
 
 
 def test_unwritable_cache_falls_back_to_a_private_folder(tmp_path):

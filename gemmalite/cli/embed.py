@@ -20,7 +20,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
     if not a.input and not a.texts:
         raise ValueError("nothing to embed: give TEXT arguments or --input corpus.jsonl --output vectors.parquet")
     use_threads(a)
-    emb = load_embedder(a.model, quant=a.quant)
+    emb = load_embedder(a.model, quant=a.quant, threads=a.threads)
     kw = dict(prompt_name=a.prompt_name, prompt=a.prompt, dimensions=a.dimensions, batch_size=a.batch_size,
               truncate=a.truncate)
     if a.input:

@@ -25,13 +25,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
-                   help="compute threads (default: the CPUs this process may use; 1 is steadiest on a busy machine)")
+                   help="compute threads (default: every CPU this process may use while the machine gives them, one while it is busy)")
 
 
 def use_threads(a: argparse.Namespace) -> None:
     """--threads for commands that compute without a loaded model (synth, convert)."""
-    from ..runtime.engine import check_threads, limit_blas_threads
-    from ..runtime.engine import use_threads as set_numba
+    from ..runtime.threads import check_threads, limit_blas_threads
+    from ..runtime.threads import use_threads as set_numba
 
     set_numba(check_threads(a.threads))
     limit_blas_threads(a.threads)

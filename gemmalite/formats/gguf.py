@@ -66,6 +66,9 @@ class GGUFFile:
         return str(self.metadata.get("general.architecture", ""))
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Bounds-checked little-endian reads from a buffer; errors name the file and the place."""
 
@@ -97,6 +100,21 @@ class _Cursor:
         except UnicodeDecodeError:  # llama.cpp treats token text as bytes; keep it readable
             return raw.decode("utf-8", errors="replace")
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """``n`` strings in a row: `string` unrolled (a vocabulary holds 262144 of them)."""
+        buf, size, pos, out = self.buf, self.size, self.pos, []
+        length = _U64.unpack_from
+        for _ in range(n):
+            if pos + 8 > size or pos + 8 + length(buf, pos)[0] > size:
+                self.pos = pos
+                self.string(what)  # raises the truncation error, with its place
+            n_bytes = length(buf, pos)[0]
+            pos += 8
+            out.append(str(buf[pos:pos + n_bytes], "utf-8", "replace"))  # see `string`
+            pos += n_bytes
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str):
         if vtype in _SCALARS:
             v = self.scalar(vtype, what)
@@ -115,7 +133,7 @@ class _Cursor:
             if etype == _STRING:
                 if n > self.size:  # each string needs at least 8 bytes
                     raise self.fail(f"corrupted: {what} claims {n} strings")
-                return [self.string(what) for _ in range(n)]
+                return self.strings(n, what)
             if etype == _ARRAY:  # llama.cpp rejects these too; a recursion here could be 10^5 deep
                 raise self.fail(f"{what} is an array of arrays, which GGUF readers do not accept")
             raise self.fail(f"corrupted: {what} has unknown array element type {etype}")

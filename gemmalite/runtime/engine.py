@@ -11,12 +11,11 @@ tables (token embedding, PLE table, LM head). Everything a request changes lives
 
 The host side (row lookups, LM head, softcap) is here; the graph (layers + KV cache) is behind
 ``graph.forward(state, x0, ple_rows, keep)``, the one call another backend would implement.
-One step computes at a time in a process (`COMPUTE_LOCK`): the kernels already use every core,
-and numba's thread pool is shared by the whole process.
+One step computes at a time in a process, on the threads `runtime.threads` gives it: the kernels
+already use every core, and numba's thread pool is shared by the whole process.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,40 +23,12 @@ import numpy as np
 
 from ..errors import ContextError
 from ..kernels.ops import softcap
-from ..settings import usable_cpus
 from ..weights.matrix import Matrix
 from .cache import KVState
+from .threads import check_threads, compute
 
-COMPUTE_LOCK = threading.RLock()
 PREFILL_CHUNK = 512  # prompt tokens per graph call: activations and the attention's key
 # windows stay this size however long the prompt, so memory stays flat
-
-
-def check_threads(threads: int | None) -> int | None:
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    return threads
-
-
-def use_threads(threads: int | None) -> None:
-    """Compute threads for the steps this thread runs next (numba's count is per calling thread):
-    ``threads``, capped at the pool numba started with; None = the CPUs this process may use now
-    (its affinity mask). OpenBLAS is capped process-wide by `limit_blas_threads`."""
-    import numba
-
-    pool = numba.config.NUMBA_NUM_THREADS
-    numba.set_num_threads(min(threads or usable_cpus(), pool))
-
-
-def limit_blas_threads(threads: int | None) -> None:
-    """Cap OpenBLAS (numpy's BLAS) threads process-wide; None leaves it as it is."""
-    if threads is None:
-        return
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional: without it BLAS keeps its own count
-        return
-    threadpool_limits(threads, user_api="blas")
 
 
 class Graph(Protocol):
@@ -148,8 +119,7 @@ class Engine:
         if soft is not None:
             look = ids.copy()
             look[soft.rows] = self.pad_id
-        with COMPUTE_LOCK:
-            use_threads(self.threads)
+        with compute(self.threads):
             x0 = self.embed.rows(look) * self.embed_scale
             if soft is not None:
                 x0[soft.rows] = soft.vectors
@@ -165,8 +135,7 @@ class Engine:
     def logits(self, h: np.ndarray, each: bool = False) -> np.ndarray:
         """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap);
         ``each``: each row computed as alone (`Matrix.matmul_each`)."""
-        with COMPUTE_LOCK:
-            use_threads(self.threads)
+        with compute(self.threads):
             return softcap(self.lm_head.matmul_each(h) if each else self.lm_head.matmul(h), self.softcap)
 
     def decode_step(self, state: KVState, token: int) -> np.ndarray:
@@ -184,8 +153,7 @@ class Engine:
         """One token for each of B sequences in one pass over the weights: logits ``[B, vocab]``,
         row ``b`` exactly ``decode_step(states[b], tokens[b])``'s (continuous batching)."""
         ids = np.asarray(tokens, dtype=np.int64)
-        with COMPUTE_LOCK:
-            use_threads(self.threads)
+        with compute(self.threads):
             x0 = self.embed.rows(ids) * self.embed_scale
             ple = self.ple_table.rows(ids) * self.ple_scale if self.ple_table is not None else None
             h = self.graph.forward_batch(states, x0, ple)

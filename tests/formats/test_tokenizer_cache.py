@@ -42,3 +42,30 @@ def test_cache_key_follows_the_file(tmp_path):
     assert gt.file_cache_key(f) != k1
     os.utime(f, ns=(1, 1))
     assert gt.file_cache_key(f) != k1
+
+
+def test_loading_a_gguf_twice_builds_its_tokenizer_once(demo_path, tmp_path, monkeypatch):
+    from gemmalite.formats import gguf_gemma
+
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
+    first = gguf_gemma.load_gguf_parts(demo_path)[2]
+    monkeypatch.setattr(gt, "tokenizer_from_gguf", lambda meta: pytest.fail("built again instead of read from the cache"))
+    again = gguf_gemma.load_gguf_parts(demo_path)[2]
+    assert again.encode(TEXTS[0]) == first.encode(TEXTS[0])
+
+
+def test_string_arrays_read_like_single_strings(tmp_path):
+    """The unrolled reader of string arrays: the same strings (invalid UTF-8 replaced), the same
+    truncation error."""
+    import struct
+
+    from gemmalite.formats.gguf import GGUFError, _Cursor
+
+    items = [b"", b"a", "\u2581the".encode(), b"\xff\xfe bad", "🙂".encode()]
+    raw = b"".join(struct.pack("<Q", len(s)) + s for s in items)
+    one = _Cursor(raw, "x")
+    expected = [one.string("s") for _ in items]
+    assert _Cursor(raw, "x").strings(len(items), "s") == expected == [s.decode("utf-8", "replace") for s in items]
+    for cut in (len(raw) - 1, len(raw) - 5, 3):
+        with pytest.raises(GGUFError, match="truncated"):
+            _Cursor(raw[:cut], "x").strings(len(items), "s")
