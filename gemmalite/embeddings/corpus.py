@@ -1,8 +1,9 @@
 """Embed a JSONL corpus into a Parquet file: streaming, resumable, with progress.
 
-Input: one JSON value per line, either an object with a text field (and optionally an id
-field) or a bare string; blank lines are skipped; a record without an id gets its record
-number. Output: Parquet with columns ``id`` (int64 or string, as the first record's) and
+Input: one JSON value per line, either an object with a text field and / or an image field
+(a path, or a list of paths, relative to the JSONL file's folder; optionally an id field) or a
+bare string; blank lines are skipped; a record without an id gets its record number. A record
+with a text and images is one interleaved input, its parts in the record's key order. Output: Parquet with columns ``id`` (int64 or string, as the first record's) and
 ``embedding`` (fixed-size list of float32).
 
 Resumability: records are embedded in chunks of ``chunk_size``; each finished chunk is
@@ -38,8 +39,10 @@ def _require_pyarrow():
     return pa, pq
 
 
-def read_records(path: Path, text_field: str = "text", id_field: str = "id") -> Iterator[tuple[Any, str]]:
-    """``(id, text)`` per non-blank line; InputError naming the line on anything malformed."""
+def read_records(path: Path, text_field: str = "text", id_field: str = "id",
+                 image_field: str | None = "image") -> Iterator[tuple[Any, Any]]:
+    """``(id, input)`` per non-blank line (input: a text, or a list of parts with image paths);
+    InputError naming the line on anything malformed."""
     n = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -50,19 +53,40 @@ def read_records(path: Path, text_field: str = "text", id_field: str = "id") -> 
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if isinstance(rec, str):
-                rid, text = n, rec
+                rid, item = n, rec
             elif isinstance(rec, dict):
-                if text_field not in rec:
-                    raise InputError(f"{path}:{lineno}: no {text_field!r} field")
-                text, rid = rec[text_field], rec.get(id_field, n)
+                rid, item = rec.get(id_field, n), _record_input(rec, path, lineno, text_field, image_field)
             else:
                 raise InputError(f"{path}:{lineno}: expected an object or a string, got {type(rec).__name__}")
-            if not isinstance(text, str) or not text:
+            if isinstance(item, str) and not item:
                 raise InputError(f"{path}:{lineno}: the text must be a non-empty string")
             if isinstance(rid, bool) or not isinstance(rid, (int, str)):
                 raise InputError(f"{path}:{lineno}: the id must be an integer or a string")
-            yield rid, text
+            yield rid, item
             n += 1
+
+
+def _record_input(rec: dict, path: Path, lineno: int, text_field: str, image_field: str | None) -> Any:
+    """A record's text, or its parts (text and image paths, in the record's key order)."""
+    if image_field is None or image_field not in rec:
+        if text_field not in rec:
+            fields = repr(text_field) + (f" or {image_field!r}" if image_field else "")
+            raise InputError(f"{path}:{lineno}: no {fields} field")
+        if not isinstance(rec[text_field], str) or not rec[text_field]:
+            raise InputError(f"{path}:{lineno}: the text must be a non-empty string")
+        return rec[text_field]
+    parts: list[Any] = []
+    for key, value in rec.items():
+        if key == text_field:
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{path}:{lineno}: the text must be a non-empty string")
+            parts.append(value)
+        elif key == image_field:
+            paths = value if isinstance(value, list) else [value]
+            if not paths or not all(isinstance(v, str) and v for v in paths):
+                raise InputError(f"{path}:{lineno}: {image_field!r} must be a path or a list of paths")
+            parts += [path.parent / v for v in paths]  # Path: an image (a str would be text)
+    return parts
 
 
 def _count_records(path: Path) -> int:
@@ -73,7 +97,7 @@ def _count_records(path: Path) -> int:
 def embed_corpus(embedder, input_path: str | Path, output_path: str | Path, *, prompt_name: str | None = None,
                  prompt: str | None = None, dimensions: int | None = None, batch_size: int = 32,
                  truncate: bool = False, text_field: str = "text", id_field: str = "id",
-                 chunk_size: int = PART_ROWS, progress: bool = True) -> dict:
+                 image_field: str | None = "image", chunk_size: int = PART_ROWS, progress: bool = True) -> dict:
     """Embed every record of ``input_path`` into ``output_path`` (Parquet); resumes an interrupted run.
 
     Returns ``{"rows", "resumed_rows", "seconds", "texts_per_s", "output"}``."""
@@ -89,14 +113,15 @@ def embed_corpus(embedder, input_path: str | Path, output_path: str | Path, *, p
     dim = embedder._dimensions(dimensions)
     parts = out.with_name(out.name + ".parts")
     manifest = {"model": str(embedder.source), "input": str(src.resolve()), "prompt": pre, "dimensions": dim,
-                "truncate": bool(truncate), "text_field": text_field, "id_field": id_field, "chunk_size": int(chunk_size)}
+                "truncate": bool(truncate), "text_field": text_field, "id_field": id_field, "image_field": image_field,
+                "chunk_size": int(chunk_size)}
     done = _resume(parts, manifest, pq)
     total = _count_records(src)
     t0 = time.perf_counter()
-    bar = tqdm(total=total, initial=done, unit="texts", desc="embedding", disable=not progress, smoothing=0.1)
-    first = next(read_records(src, text_field, id_field), None)
+    bar = tqdm(total=total, initial=done, unit="inputs", desc="embedding", disable=not progress, smoothing=0.1)
+    first = next(read_records(src, text_field, id_field, image_field), None)
     id_type = pa.int64() if first is None or isinstance(first[0], int) else pa.string()
-    records = itertools.islice(read_records(src, text_field, id_field), done, None)  # skip finished parts
+    records = itertools.islice(read_records(src, text_field, id_field, image_field), done, None)  # skip finished parts
     part_no = done // chunk_size
     while True:
         chunk = [r for _, r in zip(range(chunk_size), records)]

@@ -1,4 +1,4 @@
-"""`Embedder`: texts in, unit-length sentence embeddings out, as sentence-transformers computes them.
+"""`Embedder`: texts, images and videos in, unit-length embeddings out, as the reference computes them.
 
 Pipeline (the checkpoint's sentence-transformers files, `st_files`): the task prompt is
 prepended to the text, the checkpoint's tokenizer adds its special tokens (EmbeddingGemma 2:
@@ -8,6 +8,12 @@ cut is re-normalised.
 
 Batches are sorted by length and packed (`EncoderGraph` computes no padding), then put back
 in input order, so a batch gives the same vectors as one text at a time.
+
+Images (`media`): an input with pictures is written as the EmbeddingGemma2Processor's text,
+its parts in order with an ``<|image|>`` (``<|video|>``) placeholder per picture (video), then
+tokenized like a text; each placeholder becomes ``<|image>`` + N soft-token rows + ``<image|>``
+(one such block per video frame), and those rows take the vision tower's soft tokens instead
+of token embeddings; the encoder, pooling (over every row) and normalisation are the text's.
 """
 from __future__ import annotations
 
@@ -16,20 +22,22 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError, ContextError, InputError, TokenizerError
+from ..errors import CheckpointError, ContextError, ImageError, InputError, TokenizerError
 from ..runtime.threads import check_threads, compute
+from .media import Part, parse_inputs, placeholder_text
 from .st_files import PipelineConfig, read_pipeline
 
 MAX_BATCH_TOKENS = 1024  # tokens packed into one encoder pass: bounds the activations; larger passes measured slower (cache)
 
 
 class Embedder:
-    """An EmbeddingGemma 2 text embedder. Thread-safe; build it with `load_embedder`."""
+    """An EmbeddingGemma 2 embedder of texts, images and both. Thread-safe; build it with `load_embedder`."""
 
     def __init__(self, graph, tokenizer, pipeline: PipelineConfig, max_length: int, source: str = "",
-                 threads: int | None = None):
+                 threads: int | None = None, vision=None):
         self.graph = graph
         self.threads = threads  # compute threads per pass; None = as many as the machine gives
+        self.vision = vision  # gemmalite.vision.prompt.Vision, when the checkpoint has a vision tower
         self.cfg = graph.cfg
         self.tokenizer = tokenizer  # gemmalite Tokenizer or None (ids only)
         self.pipeline = pipeline
@@ -48,23 +56,38 @@ class Embedder:
         return dict(self.pipeline.prompts)
 
     # ------------------------------------------------------------------ public API
-    def embed(self, texts: str | Sequence[str], *, prompt_name: str | None = None, prompt: str | None = None,
-              dimensions: int | None = None, batch_size: int = 32, truncate: bool = False) -> np.ndarray:
-        """float32 ``[n, dimensions or dim]`` unit rows, in the order of ``texts`` (a single string counts as one).
+    def embed(self, inputs, *, prompt_name: str | None = None, prompt: str | None = None,
+              dimensions: int | None = None, batch_size: int = 32, truncate: bool = False,
+              max_soft_tokens: int | None = None) -> np.ndarray:
+        """float32 ``[n, dimensions or dim]`` unit rows, one per input, in order.
+
+        ``inputs``: one input or a list of them. An input is a text (a ``str`` is always text), an
+        image (``pathlib.Path``, bytes, a file object, a PIL image or a uint8 array), a video
+        (``{"video": [frame, ...]}``), or a list of such parts (or a dict ``{"text": ..., "image":
+        ...}``, parts in key order), which gives ONE embedding of the parts interleaved.
 
         ``prompt_name``: a task prompt of the checkpoint's table (`prompts`); ``prompt``: a literal
-        prefix instead. Neither: the checkpoint's default prompt, if any. A text longer than
-        `max_length` tokens raises `ContextError` naming it, unless ``truncate`` (then it keeps its
-        first tokens and the special tokens, as sentence-transformers truncates).
+        prefix instead. Neither: the checkpoint's default prompt, if any; it goes before the whole
+        input. A text longer than `max_length` tokens raises `ContextError` naming it, unless
+        ``truncate`` (then it keeps its first tokens and the special tokens, as sentence-transformers
+        truncates; inputs with pictures are never cut). ``max_soft_tokens`` overrides the image
+        processor's budget per image (70, 140, 280, 560, 1120).
         """
-        texts = [texts] if isinstance(texts, str) else list(_check_iterable(texts, "texts"))
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise InputError(f"texts[{i}] is a {type(t).__name__}, not a string")
-            if not t:
-                raise InputError(f"texts[{i}] is an empty string")
-        ids = self.tokenize(texts, prompt=self.resolve_prompt(prompt_name, prompt), truncate=truncate)
-        return self._embed(ids, dimensions, batch_size)
+        items = parse_inputs(inputs)
+        text_prompt = self.resolve_prompt(prompt_name, prompt)
+        if all(isinstance(it, str) for it in items):  # texts only: the batched tokenizer path
+            ids = self.tokenize(items, prompt=text_prompt, truncate=truncate)
+            return self._embed(ids, dimensions, batch_size)
+        seqs: list[np.ndarray] = [None] * len(items)  # type: ignore[list-item]
+        soft: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(items)
+        texts = [i for i, it in enumerate(items) if isinstance(it, str)]
+        for i, ids in zip(texts, self.tokenize([items[i] for i in texts], prompt=text_prompt, truncate=truncate,
+                                               index=texts)):
+            seqs[i] = ids
+        for i, it in enumerate(items):
+            if not isinstance(it, str):
+                seqs[i], soft[i] = self._media_ids(i, it, text_prompt, max_soft_tokens)
+        return self._embed(seqs, dimensions, batch_size, soft)
 
     def embed_ids(self, sequences: Sequence[Sequence[int]], *, dimensions: int | None = None,
                   batch_size: int = 32) -> np.ndarray:
@@ -108,8 +131,10 @@ class Embedder:
             raise InputError(f"unknown prompt name {name!r} (this model has: {known})")
         return self.pipeline.prompts[name]
 
-    def tokenize(self, texts: Sequence[str], *, prompt: str = "", truncate: bool = False) -> list[np.ndarray]:
-        """Token ids exactly as the reference pipeline builds them: ``tokenizer(prompt + text)``."""
+    def tokenize(self, texts: Sequence[str], *, prompt: str = "", truncate: bool = False,
+                 index: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Token ids exactly as the reference pipeline builds them: ``tokenizer(prompt + text)``
+        (``index``: the texts' positions among the caller's inputs, for error messages)."""
         if self.tokenizer is None:
             raise TokenizerError(f"{self.source}: this checkpoint has no tokenizer; use embed_ids")
         full = [prompt + t for t in texts]
@@ -118,6 +143,7 @@ class Embedder:
         if not truncate:
             for i, ids in enumerate(out):
                 if len(ids) > self.max_length:
+                    i = index[i] if index is not None else i
                     raise ContextError(f"texts[{i}] is {len(ids)} tokens long, more than the model's {self.max_length}"
                                        " (pass truncate=True to cut it)")
         return out
@@ -132,14 +158,34 @@ class Embedder:
             self._truncating = tk
         return self._truncating
 
-    def _embed(self, seqs: list[np.ndarray], dimensions: int | None, batch_size: int) -> np.ndarray:
+    def _media_ids(self, i: int, parts: list[Part], prompt: str,
+                   max_soft_tokens: int | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Token ids of one input with pictures (placeholders expanded) and its soft-token rows."""
+        if self.vision is None:
+            raise ImageError(f"inputs[{i}] has an image or video, but {self.source or 'this model'} has no vision tower")
+        if self.tokenizer is None:
+            raise TokenizerError(f"{self.source}: this checkpoint has no tokenizer; use embed_ids")
+        text, images, videos = placeholder_text(parts, prompt)
+        ids = np.asarray(self.tokenizer.tk.encode(text, add_special_tokens=True).ids, dtype=np.int64)
+        try:
+            with compute(self.threads):  # the vision tower's kernels share numba's process-wide pool
+                p = self.vision.prompt(ids, images, videos=videos, max_soft_tokens=max_soft_tokens)
+        except ImageError as e:
+            raise ImageError(f"inputs[{i}]: {e}") from None
+        if len(p.ids) > self.max_length:
+            raise ContextError(f"inputs[{i}] is {len(p.ids)} tokens long with its pictures, more than the model's "
+                               f"{self.max_length} (inputs with pictures are not cut)")
+        return p.ids, (p.rows, p.vectors)
+
+    def _embed(self, seqs: list[np.ndarray], dimensions: int | None, batch_size: int,
+               soft: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> np.ndarray:
         d = self._dimensions(dimensions)
         if int(batch_size) < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size}")
         out = np.empty((len(seqs), self.dim), dtype=np.float32)
         for batch in plan_batches([len(s) for s in seqs], int(batch_size)):
             with compute(self.threads):  # numba's thread pool is process-wide: one pass at a time
-                out[batch] = self.graph.encode([seqs[i] for i in batch])
+                out[batch] = self.graph.encode([seqs[i] for i in batch], [soft[i] for i in batch] if soft else None)
         return normalize(out, d)
 
     def _dimensions(self, dimensions: int | None) -> int:
@@ -180,18 +226,19 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_
 
 def _check_iterable(x, what: str) -> Iterable:
     if isinstance(x, (bytes, dict)) or not hasattr(x, "__iter__"):
-        raise InputError(f"{what} must be a string or a list of strings, not {type(x).__name__}")
+        raise InputError(f"{what} must be a list of token-id sequences, not {type(x).__name__}")
     return x
 
 
 def load_embedder(path: str | Path, quant: str | None = None, threads: int | None = None) -> Embedder:
     """An `Embedder` for an EmbeddingGemma 2 folder (either config layout, or a `gemmalite convert`
     output); ``quant`` "int8" / "int4" quantizes the projections on load; ``threads`` as for `load`."""
-    from ..formats.folder import load_folder
+    from ..formats.folder import load_folder, read_tensors
     from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
     from ..models.gemma.contract import check_tensors
     from ..models.gemma.encoder import EncoderConfig, build_encoder, encoder_shapes
     from ..tokenizer import load_tokenizer_folder
+    from ..vision.prompt import folder_vision
 
     if quant not in QUANT_KINDS:
         raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
@@ -199,7 +246,7 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"{p}: not a checkpoint folder")
-    cfg, tensors, _ = load_folder(p, parse=EncoderConfig.from_hf)
+    cfg, tensors, raw = load_folder(p, parse=EncoderConfig.from_hf)
     shapes = encoder_shapes(cfg)
     check_tensors(cfg, tensors, str(p), shapes=shapes)
     graph = build_encoder(cfg, tensors, matrix_factory(quant), table)
@@ -207,7 +254,8 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     if pipeline.truncate_dim is not None and not 1 <= pipeline.truncate_dim <= cfg.embedding_dim:
         raise CheckpointError(f"{p}: truncate_dim {pipeline.truncate_dim} is not within 1..{cfg.embedding_dim}")
     tokenizer = load_tokenizer_folder(p)
-    return Embedder(graph, tokenizer, pipeline, _max_length(p, cfg, pipeline), str(p), threads=threads)
+    vision = folder_vision(p, raw, read_tensors(p, raw), quant)  # tower tensors memory-mapped, built on first image
+    return Embedder(graph, tokenizer, pipeline, _max_length(p, cfg, pipeline), str(p), threads=threads, vision=vision)
 
 
 def _max_length(folder: Path, cfg, pipeline: PipelineConfig) -> int:

@@ -60,6 +60,24 @@ def f32_matmul_small(x, w, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, boundscheck=False)
+def rope_rows(x, cos, sin, out):  # pragma: no cover - compiled
+    """Rotate-half RoPE over ``x [T, heads, D]`` with ``cos``/``sin`` ``[T, D/2]``: the numpy
+    expression's products and sums in the same order (no fastmath: no fused multiply-add), so
+    the result is the same to the bit, without its four temporaries."""
+    T, nh, D = x.shape
+    half = D // 2
+    for t in range(T):
+        for h in range(nh):
+            for i in range(half):
+                a = x[t, h, i]
+                b = x[t, h, i + half]
+                c = cos[t, i]
+                s = sin[t, i]
+                out[t, h, i] = a * c - b * s
+                out[t, h, i + half] = b * c + a * s
+
+
+@njit(cache=True, boundscheck=False)
 def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
     """out = x / sqrt(mean(x^2) + eps) * w per row of 2-D ``x`` (``w`` empty: scale-free).
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import common
-from .numba_ops import KEY_BLOCK, attention_blocked, attention_rows, key_block_bounds, rms_norm_rows
+from .numba_ops import KEY_BLOCK, attention_blocked, attention_rows, key_block_bounds, rms_norm_rows, rope_rows
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
@@ -50,6 +50,10 @@ def rope_tables(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE on ``x [T, heads, D]``: dim i pairs with i + D/2."""
+    if x.ndim == 3 and cos.dtype == sin.dtype == x.dtype == np.float32 and cos.shape == (x.shape[0], x.shape[2] // 2):
+        out = np.empty(x.shape, dtype=np.float32)
+        rope_rows(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out)
+        return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]

@@ -3,6 +3,9 @@
 Real E2B/E4B weights cannot be downloaded here, so full-size speed and memory figures come
 from checkpoints of exactly the published shapes (architecture map §0) filled with random
 bfloat16 values, plus a working tokenizer and chat template, so every path runs end to end.
+`write_random_checkpoint` is the one writer; the Gemma 4 decoders here and the EmbeddingGemma 2
+encoders (synth_eg2) only choose tensors and config files. The vision and audio towers are
+transformers' ``gemma4_vision`` / ``gemma4_audio`` (their default configs are the real shapes).
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +25,8 @@ from ..loader import load_tokenizer
 from ..models.gemma.config import FULL, SLIDING, ModelConfig
 from ..models.gemma.contract import expected_shapes
 from ..tokenizer import fallback_tokenizer, save_tokenizer
+from ..vision.tower import VisionConfig
+from ..vision.tower import expected_shapes as vision_shapes
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SHARD_BYTES = 2 << 30
@@ -68,6 +73,106 @@ def text_config(preset: str, vocab_size: int | None = None) -> dict:
     return cfg
 
 
+# The towers: transformers' defaults are the real checkpoints' shapes; "tiny" keeps every option
+# (clipped linears, standardize) at toy size.
+VISION_PRESETS: dict[str, dict] = {
+    "real": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+                 num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3,
+                 position_embedding_size=10240, use_clipped_linears=False, standardize=False),
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                 position_embedding_size=512, use_clipped_linears=True, standardize=True),
+}
+AUDIO_PRESETS: dict[str, dict] = {
+    "real": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
+                 conv_kernel_size=5, output_proj_dims=1536),
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[16, 8],
+                 conv_kernel_size=5, output_proj_dims=48),
+}
+MULTIMODAL_IDS = dict(image_token_id=258880, boi_token_id=255999, eoi_token_id=258882, video_token_id=258884,
+                      audio_token_id=258881, boa_token_id=256000, eoa_token_index=258883)
+#: the tokenizer attributes transformers' Gemma 4 / EmbeddingGemma 2 processors read (tokenizer.boi_token, ...)
+MULTIMODAL_TOKENS = dict(image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>",
+                         audio_token="<|audio|>", boa_token="<|audio>", eoa_token="<audio|>")
+
+
+def vision_config(preset: str = "real") -> dict:
+    return {"model_type": "gemma4_vision", **VISION_PRESETS[preset], "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}
+
+
+def audio_config(preset: str = "real") -> dict:
+    return {"model_type": "gemma4_audio", **AUDIO_PRESETS[preset], "hidden_act": "silu", "residual_weight": 0.5,
+            "attention_chunk_size": 12, "attention_context_left": 13, "attention_context_right": 0,
+            "attention_logit_cap": 50.0, "attention_invalid_logits_value": -1e9, "use_clipped_linears": True,
+            "rms_norm_eps": 1e-6, "gradient_clipping": 1e10}
+
+
+def vision_tower_shapes(config: dict, text_hidden: int, tower: str, embed: str) -> dict[str, tuple[int, ...]]:
+    return vision_shapes(VisionConfig.from_hf(config), text_hidden, tower, embed)
+
+
+def audio_tower_shapes(c: dict, text_hidden: int, tower: str, embed: str) -> dict[str, tuple[int, ...]]:
+    """The ``gemma4_audio`` conformer's tensors as transformers names them (no gemmalite reader yet:
+    the contract the writer meets, checked against transformers in tests/embeddings)."""
+    H, c0, c1 = c["hidden_size"], *c["subsampling_conv_channels"]
+    clipped = c.get("use_clipped_linears", True)
+
+    def lin(base: str, out: int, inp: int) -> dict[str, tuple[int, ...]]:
+        d = {f"{base}.linear.weight": (out, inp)}
+        if clipped:
+            d.update({f"{base}.{k}": () for k in ("input_min", "input_max", "output_min", "output_max")})
+        return d
+
+    sub = tower + "subsample_conv_projection."
+    shapes = {sub + "layer0.conv.weight": (c0, 1, 3, 3), sub + "layer0.norm.weight": (c0,),
+              sub + "layer1.conv.weight": (c1, c0, 3, 3), sub + "layer1.norm.weight": (c1,),
+              sub + "input_proj_linear.weight": (H, (c0 // 4) * c1)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"{tower}layers.{i}."
+        for ff in ("feed_forward1", "feed_forward2"):
+            shapes |= lin(p + ff + ".ffw_layer_1", 4 * H, H) | lin(p + ff + ".ffw_layer_2", H, 4 * H)
+            shapes[p + ff + ".pre_layer_norm.weight"] = shapes[p + ff + ".post_layer_norm.weight"] = (H,)
+        shapes[p + "self_attn.per_dim_scale"] = (H // c["num_attention_heads"],)
+        for n in ("q_proj", "k_proj", "v_proj", "post"):
+            shapes |= lin(p + "self_attn." + n, H, H)
+        shapes[p + "self_attn.relative_k_proj.weight"] = (H, H)
+        shapes |= lin(p + "lconv1d.linear_start", 2 * H, H) | lin(p + "lconv1d.linear_end", H, H)
+        shapes[p + "lconv1d.depthwise_conv1d.weight"] = (H, 1, c["conv_kernel_size"])
+        for n in ("lconv1d.pre_layer_norm", "lconv1d.conv_norm", "norm_pre_attn", "norm_post_attn", "norm_out"):
+            shapes[p + n + ".weight"] = (H,)
+    shapes[tower + "output_proj.weight"] = (c["output_proj_dims"], H)
+    shapes[tower + "output_proj.bias"] = (c["output_proj_dims"],)
+    shapes[embed + "embedding_projection.weight"] = (text_hidden, c["output_proj_dims"])
+    return shapes
+
+
+def processor_config(vision: dict, *, audio: bool, video: bool) -> dict:
+    """``processor_config.json`` as transformers' Gemma 4 / EmbeddingGemma 2 processors save it
+    (image processor, and the video processor / audio feature extractor when the model has them)."""
+    sizes = {k: vision[k] for k in ("patch_size", "pooling_kernel_size")}
+    image = {"image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
+             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
+             "image_std": [1.0, 1.0, 1.0], "max_soft_tokens": 280, **sizes}
+    conf: dict = {"image_processor": image, "image_seq_length": 280}
+    if video:
+        conf["video_processor"] = {
+            "video_processor_type": "EmbeddingGemma2VideoProcessor", "do_convert_rgb": True, "do_resize": True,
+            "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0], "do_sample_frames": True, "fps": 1,
+            "max_frames": 32, "overflow_strategy": "uniform", "add_timestamps": False, "max_soft_tokens": 70, **sizes}
+    if audio:
+        conf["feature_extractor"] = {
+            "feature_extractor_type": "Gemma4AudioFeatureExtractor", "feature_size": 128, "sampling_rate": 16000,
+            "padding_value": 0.0, "padding_side": "right", "return_attention_mask": True, "min_frequency": 0.0,
+            "max_frequency": 8000.0, "preemphasis": 0.0, "preemphasis_htk_flavor": True, "fft_overdrive": False,
+            "dither": 0.0, "input_scale_factor": 1.0, "mel_floor": 1e-3, "per_bin_mean": None, "per_bin_stddev": None,
+            "frame_length_ms": 20.0, "hop_length_ms": 10.0, "frame_length": 320, "hop_length": 160, "fft_length": 512}
+        conf.update(audio_seq_length=750, audio_ms_per_token=40)
+    return conf
+
+
 def random_bf16(shape: tuple[int, ...], scale: float, rng: np.random.Generator) -> Iterator[bytes]:
     """Random bfloat16 values of magnitude ~scale, produced in chunks straight from random bits
     (sign, a 2-bit exponent spread, 7 mantissa bits): fast enough for billions of values."""
@@ -79,23 +184,37 @@ def random_bf16(shape: tuple[int, ...], scale: float, rng: np.random.Generator) 
         yield ((r & 0x807F) | (exp << 7)).tobytes()
 
 
+CLIP_BOUND = 64.0  # clipped linears: finite bounds (as trained checkpoints store), wide for random weights
+
+
 def _tensor_bytes(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> Iterator[bytes]:
     if name.endswith("layer_scalar"):
         yield np.array([rng.uniform(0.5, 1.0)], dtype=BF16).tobytes()
+    elif name.endswith(("_min", "_max")) and not shape:  # clip bounds of a ClippableLinear
+        yield np.array(-CLIP_BOUND if name.endswith("_min") else CLIP_BOUND, dtype=BF16).tobytes()
+    elif name.endswith((".bias", "std_bias")):
+        yield (0.02 * rng.standard_normal(shape)).astype(BF16).tobytes()
     elif len(shape) == 1:  # norm scales: Gemma 4 multiplies by w, stored around 1
-        yield (1.0 + 0.1 * rng.standard_normal(shape)).astype(BF16).tobytes()
-    elif "embed_tokens" in name:
+        w = 1.0 + 0.1 * rng.standard_normal(shape)
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            # attention runs unscaled (scaling 1.0): q.k of unit-RMS heads would have std sqrt(D),
+            # saturated softmaxes that make random weights chaotic (float32 rounding flips the output)
+            w *= shape[0] ** -0.25
+        yield w.astype(BF16).tobytes()
+    elif "embed_tokens" in name or "position_embedding_table" in name:
         yield from random_bf16(shape, 0.03, rng)
-    else:
-        yield from random_bf16(shape, 1.0 / math.sqrt(shape[1]), rng)
+    else:  # linear and conv weights: ~1/sqrt(fan-in)
+        yield from random_bf16(shape, 1.0 / math.sqrt(int(np.prod(shape[1:]))), rng)
 
 
-def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
-          seed: int = 0, progress: bool = True, force: bool = False) -> Path:
-    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b). An existing,
-    non-empty ``out`` is an error unless ``force`` (then it is replaced)."""
+def write_random_checkpoint(out: str | Path, shapes: dict[str, tuple[int, ...]], config: dict, *,
+                            tokenizer: str | Path | None = None, seed: int = 0, progress: bool = True,
+                            force: bool = False, extra_json: dict[str, dict] | None = None,
+                            finish: Callable[[Path], None] | None = None) -> Path:
+    """The one synth writer: random bfloat16 ``shapes``, ``config.json``, tokenizer files, then
+    ``extra_json`` (file name -> content) and ``finish(folder)``. An existing, non-empty ``out``
+    is an error unless ``force`` (then it is replaced)."""
     out = Path(out)
-    text = text_config(preset)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not force:
             raise CheckpointError(f"{out} already exists: choose another folder, or pass --force (force=True) to replace it")
@@ -104,23 +223,53 @@ def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, 
         else:
             out.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = ModelConfig.from_hf(text)
-    prefix = {"conditional": "model.language_model.", "causal": "model."}[layout]
-    shapes = {prefix + k: v for k, v in expected_shapes(cfg).items()}
     rng = np.random.default_rng(seed)
     write_safetensors(out, {k: (v, BF16) for k, v in shapes.items()},
                       lambda name: _tensor_bytes(name, shapes[name], rng), shard_bytes=SHARD_BYTES, progress=progress)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name, content in (extra_json or {}).items():
+        (out / name).write_text(json.dumps(content, indent=2))
+    export_tokenizer(tokenizer, out)
+    if finish is not None:
+        finish(out)
+    return out
+
+
+def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
+          seed: int = 0, progress: bool = True, force: bool = False, vision: bool | None = None) -> Path:
+    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b). ``vision``: with
+    the real Gemma 4 vision tower (default for e2b / e4b in the conditional layout; tiny gets a
+    toy tower when asked)."""
+    text = text_config(preset)
+    prefix = {"conditional": "model.language_model.", "causal": "model."}[layout]
+    shapes = {prefix + k: v for k, v in expected_shapes(ModelConfig.from_hf(text)).items()}
+    if vision is None:
+        vision = preset != "tiny" and layout == "conditional"
+    if vision and layout != "conditional":
+        raise ValueError("a vision tower needs the conditional layout (Gemma4ForCausalLM has none)")
     if layout == "conditional":
+        vcfg = vision_config("tiny" if preset == "tiny" else "real") if vision else None
         config = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
-                  "text_config": text, "vision_config": None, "audio_config": None, "dtype": "bfloat16",
-                  "tie_word_embeddings": True, "image_token_id": 258880, "boi_token_id": 255999,
-                  "eoi_token_id": 258882, "audio_token_id": 258881, "video_token_id": 258884}
+                  "text_config": text, "vision_config": vcfg, "audio_config": None, "dtype": "bfloat16",
+                  "tie_word_embeddings": True, **MULTIMODAL_IDS}
+        if vcfg:
+            shapes |= vision_tower_shapes(vcfg, text["hidden_size"], "model.vision_tower.", "model.embed_vision.")
     else:
         config = {**text, "architectures": ["Gemma4ForCausalLM"], "dtype": "bfloat16"}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
-    export_tokenizer(tokenizer, out)
-    return out
+    extra = {"generation_config.json": GENERATION_CONFIG}
+    if vision:
+        extra["processor_config.json"] = {**processor_config(config["vision_config"], audio=False, video=False),
+                                          "processor_class": "Gemma4Processor"}
+    return write_random_checkpoint(out, shapes, config, tokenizer=tokenizer, seed=seed, progress=progress,
+                                   force=force, extra_json=extra, finish=_add_multimodal_tokens if vision else None)
+
+
+def _add_multimodal_tokens(folder: Path) -> None:
+    """Name the image / audio tokens in tokenizer_config.json, where transformers' processors look."""
+    path = folder / "tokenizer_config.json"
+    conf = json.loads(path.read_text()) if path.exists() else {}
+    conf.update(MULTIMODAL_TOKENS, extra_special_tokens=dict(MULTIMODAL_TOKENS))
+    path.write_text(json.dumps(conf, indent=2))
 
 
 def export_tokenizer(src: str | Path | None, out: Path) -> None:

@@ -3,9 +3,11 @@
 The text encoder of the real shape (issue 11 / architecture map §5: 24 layers, hidden 512,
 4 heads with 2 KV heads of 256 on sliding layers and 1 of 512 on every 6th (full) layer, MLP
 2048, PLE 512, output 768, vocabulary 262144) in bfloat16, laid out as transformers saves
-``EmbeddingGemma2Model`` (``language_model.`` prefix, nested config without vision / audio
-towers) or ``EmbeddingGemma2TextModel``; the real Gemma 4 tokenizer, whose post-processor adds
-``<bos> … <eos>``; and the sentence-transformers files with the standard prompt table.
+``EmbeddingGemma2Model`` (``language_model.`` prefix, nested config with the Gemma 4 vision
+tower (16 layers, hidden 768) and audio tower (12 layers, hidden 1024): 744 M parameters, as
+published) or ``EmbeddingGemma2TextModel`` (text only); the real Gemma 4 tokenizer, whose
+post-processor adds ``<bos> … <eos>``; ``processor_config.json``; and the sentence-transformers
+files with the standard prompt table.
 """
 from __future__ import annotations
 
@@ -13,9 +15,18 @@ import json
 from pathlib import Path
 
 from ..embeddings.st_files import STANDARD_PROMPTS, write_pipeline
-from ..formats.safetensors import write_safetensors
 from ..models.gemma.config import FULL, SLIDING
 from ..models.gemma.encoder import EncoderConfig, encoder_shapes
+from .synth import (
+    MULTIMODAL_IDS,
+    _add_multimodal_tokens,
+    audio_config,
+    audio_tower_shapes,
+    processor_config,
+    vision_config,
+    vision_tower_shapes,
+    write_random_checkpoint,
+)
 
 SHAPES: dict[str, dict] = {
     "eg2": dict(hidden_size=512, num_hidden_layers=24, intermediate_size=2048, num_attention_heads=4,
@@ -31,8 +42,7 @@ COMMON = dict(model_type="embedding_gemma2_text", vocab_size=262144, max_positio
               pad_token_id=0, bos_token_id=2, eos_token_id=1,
               rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                                FULL: {"rope_type": "default", "rope_theta": 1000000.0}})
-MULTIMODAL_IDS = dict(image_token_id=258880, boi_token_id=255999, eoi_token_id=258882, video_token_id=258884,
-                      audio_token_id=258881, boa_token_id=256000, eoa_token_index=258883)
+TOWERS = {"eg2": "real", "eg2-tiny": "tiny"}  # the vision / audio preset of each
 
 
 def eg2_text_config(preset: str) -> dict:
@@ -64,30 +74,35 @@ def add_eos_template(folder: Path) -> None:
 
 
 def synth_eg2(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
-              seed: int = 0, progress: bool = True) -> Path:
-    """Write a random EmbeddingGemma 2 folder; ``layout`` "conditional" (nested, as published) or "causal" (text only)."""
-    import numpy as np
-
-    from .synth import BF16, SHARD_BYTES, _tensor_bytes, export_tokenizer
-
+              seed: int = 0, progress: bool = True, force: bool = False, vision: bool | None = None) -> Path:
+    """Write a random EmbeddingGemma 2 folder; ``layout`` "conditional" (nested with both towers, as
+    published; ``vision=False`` leaves the towers out) or "causal" (text only)."""
     if preset not in SHAPES:
         raise ValueError(f"unknown EmbeddingGemma 2 preset {preset!r}; choose from {sorted(SHAPES)}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     text = eg2_text_config(preset)
     cfg = EncoderConfig.from_hf(text)
     prefix = {"conditional": "language_model.", "causal": ""}[layout]
     shapes = {prefix + k: v for k, v in encoder_shapes(cfg).items()}
-    rng = np.random.default_rng(seed)
-    write_safetensors(out, {k: (v, BF16) for k, v in shapes.items()},
-                      lambda name: _tensor_bytes(name, shapes[name], rng), shard_bytes=SHARD_BYTES, progress=progress)
+    towers = layout == "conditional" and vision is not False
+    extra: dict[str, dict] = {}
     if layout == "conditional":
+        vcfg = vision_config(TOWERS[preset]) if towers else None
+        acfg = audio_config(TOWERS[preset]) if towers else None
         config = {"model_type": "embedding_gemma2", "architectures": ["EmbeddingGemma2Model"], "text_config": text,
-                  "vision_config": None, "audio_config": None, "dtype": "bfloat16", **MULTIMODAL_IDS}
+                  "vision_config": vcfg, "audio_config": acfg, "dtype": "bfloat16", **MULTIMODAL_IDS}
+        if towers:
+            shapes |= vision_tower_shapes(vcfg, cfg.hidden_size, "vision_tower.", "embed_vision.")
+            shapes |= audio_tower_shapes(acfg, cfg.hidden_size, "audio_tower.", "embed_audio.")
+            extra["processor_config.json"] = {**processor_config(vcfg, audio=True, video=True),
+                                              "processor_class": "EmbeddingGemma2Processor"}
     else:
         config = {**text, "architectures": ["EmbeddingGemma2TextModel"], "dtype": "bfloat16"}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    export_tokenizer(tokenizer, out)
-    add_eos_template(out)
-    write_pipeline(out, cfg.embedding_dim, STANDARD_PROMPTS)
-    return out
+
+    def finish(folder: Path) -> None:
+        add_eos_template(folder)
+        if towers:
+            _add_multimodal_tokens(folder)
+        write_pipeline(folder, cfg.embedding_dim, STANDARD_PROMPTS)
+
+    return write_random_checkpoint(out, shapes, config, tokenizer=tokenizer, seed=seed, progress=progress,
+                                   force=force, extra_json=extra, finish=finish)

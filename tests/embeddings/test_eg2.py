@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("sentence_transformers")
 import eg2_oracle as o  # noqa: E402
 
-from gemmalite import ContextError, InputError, load_embedder  # noqa: E402
+from gemmalite import ContextError, ImageError, InputError, load_embedder  # noqa: E402
 from gemmalite.models.gemma.encoder import EncoderConfig  # noqa: E402
 
 COS = 0.99999
@@ -199,9 +199,11 @@ def test_matryoshka_dimensions(text_ckpt, st_text, dims):
 def test_bad_inputs(text_ckpt):
     emb = load_embedder(text_ckpt[0])
     for bad, msg in (([""], r"texts\[0\] is an empty string"), (["ok", 3], r"texts\[1\] is a int"),
-                     (["ok", None], r"texts\[1\] is a NoneType"), (b"bytes", "not bytes"), (7, "not int")):
+                     (["ok", None], r"texts\[1\] is a NoneType"), (7, "not int")):
         with pytest.raises(InputError, match=msg):
             emb.embed(bad)
+    with pytest.raises(ImageError, match="no vision tower"):  # bytes are an image (tests/embeddings/test_eg2_images.py)
+        emb.embed(b"bytes")
     for d in (0, 49, 2.5, True):
         with pytest.raises(InputError, match="dimensions"):
             emb.embed("x", dimensions=d)
@@ -369,7 +371,10 @@ def test_synth_eg2_tiny_loads_in_transformers(tmp_path):
     sentence-transformers read, and gemmalite computes what they compute."""
     from gemmalite.tools.synth_eg2 import synth_eg2
 
-    path = synth_eg2("eg2-tiny", tmp_path / "s", tokenizer=o.gemma4_tokenizer_dir() / "tokenizer.json", progress=False)
+    # without its towers: sentence-transformers loads a multimodal folder's video processor, which
+    # needs torchvision (tests/tools/test_synth_towers.py checks the towered folder in transformers)
+    path = synth_eg2("eg2-tiny", tmp_path / "s", tokenizer=o.gemma4_tokenizer_dir() / "tokenizer.json", progress=False,
+                     vision=False)
     st = o.st_model(path)
     model = st[0].model  # transformers' float32 eager load of the folder
     emb = load_embedder(path)

@@ -124,3 +124,23 @@ def test_decode_rows_are_bit_identical_to_one_row_steps():
         alone = kernels.attention(q[i : i + 1], k[: n + i + 1], v[: n + i + 1], q_pos[i : i + 1], k_pos[: n + i + 1],
                                   None, 0.125)
         np.testing.assert_array_equal(both[i], alone[0])
+
+
+@pytest.mark.parametrize("shape", [(18, 4, 256), (1, 8, 512), (37, 3, 64)])
+def test_apply_rope_is_the_rotate_half_expression_to_the_bit(shape):
+    from gemmalite.kernels.ops import apply_rope, rope_tables
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    inv = (1.0 / 10000 ** (np.arange(shape[2] // 2) * 2 / shape[2])).astype(np.float32)
+    cos, sin = rope_tables(inv, np.arange(3, 3 + shape[0]))
+    half = shape[2] // 2
+
+    def reference(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+    assert np.array_equal(apply_rope(x, cos, sin), reference(x))
+    wide = np.concatenate([x, x], axis=-1)[..., : shape[2]]  # a strided view, as the vision tower passes
+    assert np.array_equal(apply_rope(wide, cos, sin), reference(wide))

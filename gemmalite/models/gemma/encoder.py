@@ -147,23 +147,35 @@ class EncoderGraph:
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
         self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
 
-    def encode(self, sequences: list[np.ndarray]) -> np.ndarray:
-        """Mean over each sequence's tokens of ``rms(h; norm)·W_projᵀ``: float32 ``[n, embedding_dim]``."""
+    def encode(self, sequences: list[np.ndarray],
+               soft: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> np.ndarray:
+        """Mean over each sequence's tokens of ``rms(h; norm)·W_projᵀ``: float32 ``[n, embedding_dim]``.
+        ``soft[i]``: (rows, vectors) whose input embeddings replace sequence i's token embeddings
+        at those rows (image soft tokens, already in the hidden size, not scaled)."""
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences])
-        h = self.hidden(ids, bounds)
+        parts = [(rv[0] + b, rv[1]) for rv, b in zip(soft or (), bounds[:-1]) if rv is not None and len(rv[0])]
+        rows = (np.concatenate([r for r, _ in parts]), np.concatenate([v for _, v in parts])) if parts else None
+        h = self.hidden(ids, bounds, rows)
         # the projection is linear and per token: project the mean instead of every token
         sums = np.add.reduceat(h.astype(np.float64), bounds[:-1], axis=0)
         mean = (sums / lengths[:, None]).astype(np.float32)
         return self.projection.matmul(mean)
 
-    def hidden(self, ids: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-        """Final-normed hidden states ``[N, H]`` of packed sequences (``bounds``: their starts + total)."""
+    def hidden(self, ids: np.ndarray, bounds: np.ndarray,
+               soft: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Final-normed hidden states ``[N, H]`` of packed sequences (``bounds``: their starts + total);
+        ``soft``: (packed rows, vectors) replacing those rows' input embeddings."""
         cfg = self.cfg
         pos = np.concatenate([np.arange(b - a, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:])])
+        if soft is not None:  # the placeholder ids may lie outside the vocabulary: look up padding instead
+            ids = ids.copy()
+            ids[soft[0]] = cfg.pad_token_id or 0
         h = self.embed.rows(ids) * cfg.embed_scale
-        ple = self._ple(h)
+        if soft is not None:
+            h[soft[0]] = soft[1]
+        ple = self._ple(h)  # from the merged input embeddings, as the reference computes it
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         segments = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         for spec, w in zip(cfg.layers, self.layers):
