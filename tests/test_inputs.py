@@ -65,6 +65,7 @@ BAD_OPTIONS = {
     "stop": [b"x", [1.5], "", [""], [b"x"], {"a"}, VOCAB, [True], [None], ["\ud800"]],
     "stream": ["yes", 1],
     "truncate": [1, "no"],
+    "prompt_lookup": [-1, 1.5, "yes", [2]],
 }
 CASES = [(k, v) for k, vs in BAD_OPTIONS.items() for v in vs]
 

@@ -38,6 +38,18 @@ def h2f(typingctx, h):
     return sig, codegen
 
 
+@intrinsic
+def bf2f(typingctx, b):
+    """bfloat16 bits (uint16) -> float32 inside numba kernels: the bits become the high half."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
+
+
 @njit(inline="always", cache=True)
 def nibbles(byte):
     """(low, high) nibble of a byte as exact float32s, in float arithmetic: it vectorises to

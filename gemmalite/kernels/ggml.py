@@ -324,20 +324,11 @@ KERNELS = {name: make_kernels(name) for name in _KINDS}
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def block_mv1_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
-    """Decode (T=1) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as
-    gemmalite's own int8): exact int32 block sums with 16-bit SIMD multiply-add."""
-    for r in prange(raw.shape[0]):
-        if q5:
-            block_row_dot(raw, xq, xd, r, out, 5)
-        else:
-            block_row_dot(raw, xq, xd, r, out, 8)
-
-
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
-    """``block_mv1_w8a16`` for several independent rows of x (``xq``, ``xd``, ``out`` with a
-    leading batch axis): each weight row is loaded once for all of them, the same sums."""
+    """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
+    sequences) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as gemmalite's
+    own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
+    all T rows, each row's result bit for bit its T=1 result."""
     for r in prange(raw.shape[0]):
         for t in range(xq.shape[0]):
             if q5:

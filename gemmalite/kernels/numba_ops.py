@@ -7,25 +7,41 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .common import bf2f, h2f
+
 ROWS_PER_TASK = 64
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def bf16_matmul_small(x, w, out):  # pragma: no cover - compiled
-    """out[t, r] = sum_c x[t, c] * bf16(w[r, c]); w is the raw uint16 bit pattern."""
+def half_matmul_small(x, w, bf16, out):  # pragma: no cover - compiled
+    """out[t, r] = sum_c x[t, c] * float32(w[r, c]) for a few rows of x; ``w`` holds the raw
+    uint16 bits of bfloat16 (``bf16``) or float16 values, converted in registers as they are
+    read: 2 bytes per weight from memory, no float32 copy."""
     R, C = w.shape
     T = x.shape[0]
-    for b in prange((R + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        bits = np.empty(C, np.uint32)
-        f = bits.view(np.float32)
-        for r in range(b * ROWS_PER_TASK, min(R, (b + 1) * ROWS_PER_TASK)):
-            for c in range(C):
-                bits[c] = np.uint32(w[r, c]) << 16
-            for t in range(T):
-                acc = np.float32(0.0)
+    for r in prange(R):
+        for t in range(T):
+            acc = np.float32(0.0)
+            if bf16:
                 for c in range(C):
-                    acc += x[t, c] * f[c]
-                out[t, r] = acc
+                    acc += x[t, c] * bf2f(w[r, c])
+            else:
+                for c in range(C):
+                    acc += x[t, c] * h2f(w[r, c])
+            out[t, r] = acc
+
+
+@njit(cache=True, boundscheck=False)
+def half_rows_to_f32(w, r0, bf16, out):  # pragma: no cover - compiled
+    """Rows ``r0 .. r0 + len(out)`` of half-precision bits ``w`` into float32 ``out`` (serial:
+    prefill converts one block while BLAS, on all cores, multiplies the previous one)."""
+    for i in range(out.shape[0]):
+        if bf16:
+            for c in range(out.shape[1]):
+                out[i, c] = bf2f(w[r0 + i, c])
+        else:
+            for c in range(out.shape[1]):
+                out[i, c] = h2f(w[r0 + i, c])
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
@@ -89,7 +105,10 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
 
     Same math and mask as kernels.attention (scores * scale, finite mask, max-subtracted
     softmax, weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's
-    worker threads asleep, so they never spin against numba's."""
+    worker threads asleep, so they never spin against numba's. A row's result does not depend
+    on the other rows of the call, nor on masked slots (later positions): a step of several
+    tokens gives each row bit for bit what a one-token step gives it (prompt-lookup
+    verification). A query that sees no slot gets zeros (never in the engine: a query sees itself)."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv
@@ -102,8 +121,7 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
         best = masked
         for j in range(N):
             kp = k_pos[j]
-            if kp < 0 or (causal and (kp > qp or (window > 0 and kp <= qp - window))) \
-                    or (not causal and window > 0 and abs(kp - qp) > window):
+            if not visible(kp, qp, window, causal):
                 s[j] = masked
             else:
                 acc = np.float32(0.0)
@@ -111,16 +129,201 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
                     acc += q[t, h, d] * k[j, kh, d]
                 s[j] = acc * scale
                 best = max(best, s[j])
-        tot = np.float32(0.0)
-        for j in range(N):
-            e = np.exp(s[j] - best)
-            s[j] = e
-            tot += e
-        inv = np.float32(1.0) / tot
         o = out[t, h * D : (h + 1) * D]
         o[:] = 0
-        for j in range(N):
-            p = s[j] * inv
-            if p != 0:
+        tot = np.float32(0.0)
+        for j in range(N):  # one pass, in slot order: the sums never depend on how many masked slots follow
+            if s[j] > masked:
+                e = np.exp(s[j] - best)
+                tot += e
                 for d in range(D):
-                    o[d] += p * v[j, kh, d]
+                    o[d] += e * v[j, kh, d]
+        inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+        for d in range(D):
+            o[d] *= inv
+
+
+@njit(inline="always", cache=True)
+def visible(kp, qp, window, causal):  # pragma: no cover - compiled
+    """May a query at position ``qp`` see the key at ``kp`` (-1: an empty slot)? Causal: not after
+    it and (``window`` > 0) within the last ``window`` positions; bidirectional: within a radius."""
+    if kp < 0:
+        return False
+    if causal:
+        return kp <= qp and (window <= 0 or kp > qp - window)
+    return window <= 0 or abs(kp - qp) <= window
+
+
+KEY_BLOCK = 64  # keys per block of the blocked attention (one block of K/V stays in L1/L2)
+QUERY_ROWS = 16  # query rows per task of the blocked attention (they share each K/V block; a multiple of 4)
+
+
+@njit(cache=True, boundscheck=False)
+def key_block_bounds(k_pos, out_min, out_max):  # pragma: no cover - compiled
+    """Lowest and highest valid position per KEY_BLOCK keys (max -1: an empty block)."""
+    n = k_pos.shape[0]
+    for b in range(out_min.shape[0]):
+        lo = np.int64(1) << 62
+        hi = np.int64(-1)
+        for j in range(b * KEY_BLOCK, min(n, (b + 1) * KEY_BLOCK)):
+            p = k_pos[j]
+            if p >= 0:
+                lo = min(lo, p)
+                hi = max(hi, p)
+        out_min[b] = lo
+        out_max[b] = hi
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, out, causal=True):  # pragma: no cover - compiled
+    """Attention of any length without BLAS: blocked over keys with an online softmax.
+
+    One task per (QUERY_ROWS query rows, query head); keys go by KEY_BLOCK, and a block
+    that no query of the task may see (by the positions in ``blk_min`` / ``blk_max``) is
+    skipped, so a sliding layer costs O(T x window) whatever the order of the ring's slots.
+    Four query rows share each load of K and V. Scratch is O(QUERY_ROWS x D) per task:
+    memory stays flat on long prompts. Same visibility rule as `attention_rows` (``window``
+    0: none); a query that sees no key gets zeros (never in the engine: it sees itself)."""
+    T, nq, D = q.shape
+    N, kv = k.shape[0], k.shape[1]
+    g = nq // kv
+    nqb = (T + QUERY_ROWS - 1) // QUERY_ROWS
+    nkb = blk_min.shape[0]
+    for task in prange(nqb * nq):
+        b = task // nq
+        h = task % nq
+        kh = h // g
+        t0 = b * QUERY_ROWS
+        t1 = min(T, t0 + QUERY_ROWS)
+        nr = t1 - t0
+        qlo = q_pos[t0]
+        qhi = q_pos[t0]
+        for t in range(t0, t1):
+            qlo = min(qlo, q_pos[t])
+            qhi = max(qhi, q_pos[t])
+        m = np.zeros(QUERY_ROWS, np.float32)
+        tot = np.zeros(QUERY_ROWS, np.float32)
+        acc = np.zeros((QUERY_ROWS, D), np.float32)
+        s = np.zeros((QUERY_ROWS, KEY_BLOCK), np.float32)  # probabilities of this block (0: masked)
+        for kb in range(nkb):
+            if blk_max[kb] < 0:
+                continue
+            if causal and (blk_min[kb] > qhi or (window > 0 and blk_max[kb] <= qlo - window)):
+                continue
+            if not causal and window > 0 and (blk_min[kb] > qhi + window or blk_max[kb] < qlo - window):
+                continue
+            j0 = kb * KEY_BLOCK
+            nk = min(N, j0 + KEY_BLOCK) - j0
+            for r0 in range(0, nr, 4):  # scores: 4 rows x 2 keys per pass over D (rows / keys past the end repeat the last)
+                ta = t0 + r0
+                tb = t0 + min(r0 + 1, nr - 1)
+                tc = t0 + min(r0 + 2, nr - 1)
+                td = t0 + min(r0 + 3, nr - 1)
+                for jj in range(0, nk, 2):
+                    j = j0 + jj
+                    j2 = j0 + min(jj + 1, nk - 1)
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    b0 = np.float32(0.0)
+                    b1 = np.float32(0.0)
+                    b2 = np.float32(0.0)
+                    b3 = np.float32(0.0)
+                    for d in range(D):
+                        kd = k[j, kh, d]
+                        ke = k[j2, kh, d]
+                        qa = q[ta, h, d]
+                        qb = q[tb, h, d]
+                        qc = q[tc, h, d]
+                        qd = q[td, h, d]
+                        a0 += qa * kd
+                        a1 += qb * kd
+                        a2 += qc * kd
+                        a3 += qd * kd
+                        b0 += qa * ke
+                        b1 += qb * ke
+                        b2 += qc * ke
+                        b3 += qd * ke
+                    s[r0, jj] = a0 * scale
+                    s[r0 + 1, jj] = a1 * scale
+                    s[r0 + 2, jj] = a2 * scale
+                    s[r0 + 3, jj] = a3 * scale
+                    s[r0, jj + 1] = b0 * scale
+                    s[r0 + 1, jj + 1] = b1 * scale
+                    s[r0 + 2, jj + 1] = b2 * scale
+                    s[r0 + 3, jj + 1] = b3 * scale
+            for r in range(nr):  # mask, online softmax: rescale what came before if the max grew
+                qp = q_pos[t0 + r]
+                best = np.float32(0.0)
+                seen = False
+                for jj in range(nk):
+                    kp = k_pos[j0 + jj]
+                    if visible(kp, qp, window, causal) and (not seen or s[r, jj] > best):
+                        best = s[r, jj]
+                        seen = True
+                if not seen:
+                    for jj in range(nk):
+                        s[r, jj] = 0
+                    continue
+                if tot[r] == 0:
+                    m[r] = best
+                elif best > m[r]:
+                    c = np.exp(m[r] - best)
+                    tot[r] *= c
+                    for d in range(D):
+                        acc[r, d] *= c
+                    m[r] = best
+                mr = m[r]
+                for jj in range(nk):
+                    kp = k_pos[j0 + jj]
+                    if not visible(kp, qp, window, causal):
+                        s[r, jj] = 0
+                    else:
+                        e = np.exp(s[r, jj] - mr)
+                        s[r, jj] = e
+                        tot[r] += e
+            for r in range(nr, QUERY_ROWS):  # rows past the end weigh nothing
+                for jj in range(nk):
+                    s[r, jj] = 0
+            for jj in range(nk, KEY_BLOCK):  # nor do keys past the end
+                for r in range(QUERY_ROWS):
+                    s[r, jj] = 0
+            for r0 in range(0, nr, 4):  # weighted sum of V: 4 rows x 4 keys per pass over D
+                for jj in range(0, nk, 4):
+                    ja = j0 + jj
+                    jb = j0 + min(jj + 1, nk - 1)
+                    jc = j0 + min(jj + 2, nk - 1)
+                    jd = j0 + min(jj + 3, nk - 1)
+                    p00 = s[r0, jj]
+                    p01 = s[r0, jj + 1]
+                    p02 = s[r0, jj + 2]
+                    p03 = s[r0, jj + 3]
+                    p10 = s[r0 + 1, jj]
+                    p11 = s[r0 + 1, jj + 1]
+                    p12 = s[r0 + 1, jj + 2]
+                    p13 = s[r0 + 1, jj + 3]
+                    p20 = s[r0 + 2, jj]
+                    p21 = s[r0 + 2, jj + 1]
+                    p22 = s[r0 + 2, jj + 2]
+                    p23 = s[r0 + 2, jj + 3]
+                    p30 = s[r0 + 3, jj]
+                    p31 = s[r0 + 3, jj + 1]
+                    p32 = s[r0 + 3, jj + 2]
+                    p33 = s[r0 + 3, jj + 3]
+                    if (p00 + p01 + p02 + p03 + p10 + p11 + p12 + p13 + p20 + p21 + p22 + p23
+                            + p30 + p31 + p32 + p33) == 0:
+                        continue
+                    for d in range(D):
+                        va = v[ja, kh, d]
+                        vb = v[jb, kh, d]
+                        vc = v[jc, kh, d]
+                        vd = v[jd, kh, d]
+                        acc[r0, d] += p00 * va + p01 * vb + p02 * vc + p03 * vd
+                        acc[r0 + 1, d] += p10 * va + p11 * vb + p12 * vc + p13 * vd
+                        acc[r0 + 2, d] += p20 * va + p21 * vb + p22 * vc + p23 * vd
+                        acc[r0 + 3, d] += p30 * va + p31 * vb + p32 * vc + p33 * vd
+        for r in range(nr):
+            inv = np.float32(1.0) / tot[r] if tot[r] > 0 else np.float32(0.0)
+            for d in range(D):
+                out[t0 + r, h * D + d] = acc[r, d] * inv

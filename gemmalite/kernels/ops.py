@@ -8,14 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import common
-from .numba_ops import attention_rows, rms_norm_rows, rope_rows
+from .numba_ops import KEY_BLOCK, attention_blocked, attention_rows, key_block_bounds, rms_norm_rows, rope_rows
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
-QUERY_BLOCK = 256  # query rows per attention block: bounds the score matrix in long prefills
-NUMBA_SCORES_MAX = 1 << 18  # with ``blas_free``, attention with up to this many (query, key)
-# pairs runs in numba too (as fast as batched BLAS up to 512 x 512 here, half as fast at
-# 1024 x 1024): a prefill whose products make no BLAS call then makes none at all, so
-# OpenBLAS's workers never spin against numba's (and vice versa when the products use BLAS)
+QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -71,6 +67,21 @@ def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
     return np.tanh(x / c) * c
 
 
+def attention_numba(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                    window: int | None, scale: float, causal: bool = True) -> np.ndarray:
+    """The blocked numba attention (online softmax, key blocks out of every query's reach
+    skipped): any length, no BLAS call, O(T x window) on sliding layers."""
+    T, nq, D = q.shape
+    nkb = (k.shape[0] + KEY_BLOCK - 1) // KEY_BLOCK
+    lo, hi = np.empty(nkb, np.int64), np.empty(nkb, np.int64)
+    k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+    key_block_bounds(k_pos, lo, hi)
+    out = np.empty((T, nq * D), dtype=np.float32)
+    attention_blocked(np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(q_pos, dtype=np.int64),
+                      k_pos, lo, hi, window or 0, np.float32(scale), out, causal)
+    return out
+
+
 def attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -88,15 +99,19 @@ def attention(
     and, causal, ``pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window`` (a width), or,
     bidirectional, (sliding) ``|pos_j - pos_i| <= window`` (an inclusive radius). Returns ``[T, nq*D]``.
     KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
-    ``blas_free``: the caller's products make no BLAS call, so moderate prefills run in numba
-    too (see NUMBA_SCORES_MAX); decode rows always do.
+    Decode rows run `attention_rows`; with ``blas_free`` (the caller's products make no BLAS
+    call) every prefill runs the blocked numba kernel, so one thread pool does all the work;
+    otherwise the batched numpy path below (BLAS, ``QUERY_BLOCK`` rows at a time), which is
+    also the reference the numba kernels are tested against.
     """
     T, nq, D = q.shape
-    if T <= common.FEW_ROWS or (blas_free and T * k.shape[0] <= NUMBA_SCORES_MAX):
+    if T <= common.FEW_ROWS:
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_rows(np.ascontiguousarray(q, dtype=np.float32), k, v, q_pos, k_pos,
                        window or 0, np.float32(scale), MASKED, out, causal)
         return out
+    if blas_free:
+        return attention_numba(q, k, v, q_pos, k_pos, window, scale, causal)
     kv = k.shape[1]
     g = nq // kv
     kt = k.transpose(1, 2, 0)  # [kv, D, N]

@@ -117,36 +117,24 @@ def i8_mv4(q, scale, x, out):
 
 
 @njit(parallel=True, **_FAST)
-def i8_mv1_w8a16(q, scale, xq, xd, rows_per_task, out):
-    """T=1 with int16 activations (per 32 values): exact int32 sums via 16-bit SIMD
-    multiply-add, ``rows_per_task`` (1 or 4) rows sharing each load of x."""
-    n = q.shape[0]
-    for b in prange((n + rows_per_task - 1) // rows_per_task):
-        r = b * rows_per_task
-        if rows_per_task == 4 and r + 4 <= n:
-            int8_rows_dot(q, xq, xd, r, out, 4)
-        else:
-            for i in range(r, min(n, r + rows_per_task)):
-                int8_rows_dot(q, xq, xd, i, out, 1)
-        for i in range(r, min(n, r + rows_per_task)):
-            out[i] *= scale[i]
-
-
-@njit(parallel=True, **_FAST)
 def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
-    """``i8_mv1_w8a16`` for several independent rows of x (``xq [B, k]``, ``xd [B, k//32]``,
-    ``out [B, n]``): each task's weight rows are loaded once and serve every row of x, with
-    the sums of the one-row kernel (batched decode of several sequences)."""
+    """Rows of x with int16 activations (``xq``/``xd``/``out`` ``[T, .]``, per 32 values: a decode
+    step, a prompt-lookup step, a batch of sequences): exact int32 sums via 16-bit SIMD
+    multiply-add, ``rows_per_task`` (1 or 4) weight rows sharing each load of x. Each weight row
+    is read from memory once for all T rows (the others hit L1), and every row's result is bit
+    for bit its T=1 result."""
     n = q.shape[0]
     for b in prange((n + rows_per_task - 1) // rows_per_task):
         r = b * rows_per_task
         for t in range(xq.shape[0]):
+            xqt = xq[t]
+            xdt = xd[t]
             ot = out[t]
             if rows_per_task == 4 and r + 4 <= n:
-                int8_rows_dot(q, xq[t], xd[t], r, ot, 4)
+                int8_rows_dot(q, xqt, xdt, r, ot, 4)
             else:
                 for i in range(r, min(n, r + rows_per_task)):
-                    int8_rows_dot(q, xq[t], xd[t], i, ot, 1)
+                    int8_rows_dot(q, xqt, xdt, i, ot, 1)
             for i in range(r, min(n, r + rows_per_task)):
                 ot[i] *= scale[i]
 
@@ -357,23 +345,11 @@ def i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, nrows, out):
 
 
 @njit(parallel=True, **_FAST)
-def i4_mv1_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
-    """T=1 with int16 activations: exact int32 sums per group via 16-bit SIMD multiply-add,
-    ``rows_per_task`` (1 or 4) rows sharing each load of x."""
-    n = packed.shape[0]
-    for b in prange((n + rows_per_task - 1) // rows_per_task):
-        r = b * rows_per_task
-        if r + rows_per_task <= n:
-            i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, rows_per_task, out)
-        else:
-            for i in range(r, n):
-                i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, i, 1, out)
-
-
-@njit(parallel=True, **_FAST)
 def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
-    """``i4_mv1_w4a16`` for several independent rows of x (``xq``, ``xd``, ``xs``, ``out`` with a
-    leading batch axis): weight rows loaded once per task, the one-row kernel's sums."""
+    """Rows of x with int16 activations (``xq``/``xd``/``xs``/``out`` ``[T, .]``, as `i8_mvn_w8a16`):
+    exact int32 sums per group via 16-bit SIMD multiply-add, ``rows_per_task`` (1 or 4) weight rows
+    sharing each load of x; each weight row read from memory once for all T rows, every row's
+    result bit for bit its T=1 result."""
     n = packed.shape[0]
     for b in prange((n + rows_per_task - 1) // rows_per_task):
         r = b * rows_per_task

@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 
 from .common import half_to_f32_ir
 
-__all__ = ["int16_activations", "round_int16", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
+__all__ = ["int16_activation_rows", "round_int16", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
            "block_row_dot", "TILE_BLOCK"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
@@ -46,20 +46,16 @@ def round_int16(x, group, xq, xd, xs):  # pragma: no cover - compiled
             xq[j] = np.int16(np.rint(x[j] * inv))
 
 
-def int16_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One float32 activation row as int16 per group (``round_int16``): values, scales, sums."""
-    xq = np.empty(x.shape[0], dtype=np.int16)
-    xd = np.empty(x.shape[0] // group, dtype=np.float32)
-    xs = np.empty(x.shape[0] // group, dtype=np.float32)
-    round_int16(x, group, xq, xd, xs)
-    return xq, xd, xs
-
-
 def int16_activation_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`int16_activations` of each row of ``x`` ``[B, k]``, stacked (``[B, k]``, ``[B, k//group]`` x2):
-    the input of the multi-row decode kernels, exactly the one-row kernels' input row by row."""
-    parts = [int16_activations(row, group) for row in x]
-    return tuple(np.stack([p[i] for p in parts]) for i in range(3))
+    """Each row of ``x`` ``[T, k]`` as int16 per group (``round_int16``): values ``[T, k]``, scales
+    and sums ``[T, k//group]``; the input of the decode kernels, each row rounded on its own."""
+    t, k = x.shape
+    xq = np.empty((t, k), dtype=np.int16)
+    xd = np.empty((t, k // group), dtype=np.float32)
+    xs = np.empty((t, k // group), dtype=np.float32)
+    for i in range(t):
+        round_int16(x[i], group, xq[i], xd[i], xs[i])
+    return xq, xd, xs
 
 
 def _vec(t: ir.Type, n: int) -> ir.VectorType:

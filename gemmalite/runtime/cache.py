@@ -1,14 +1,18 @@
 """KV cache: one ring buffer per layer that owns K/V.
 
 Full-attention layers get a ring as long as the context (it never wraps, since a sequence
-may not outgrow the context); sliding layers get a ring of exactly ``sliding_window``
-entries, the most a query can see. KV-shared layers have no cache: they read their
-producer's. Each slot remembers its absolute position, so attention masks by position and
+may not outgrow the context); sliding layers get a ring of ``sliding_window + SPARE_SLOTS``
+entries: the most a query can see, plus room for a step of a few tokens (prompt-lookup
+verification) to be written in place and rolled back without losing an entry still needed.
+KV-shared layers have no cache: they read their producer's. Each slot remembers its absolute position, so attention masks by position and
 the slot order does not matter.
 """
 from __future__ import annotations
 
 import numpy as np
+
+SPARE_SLOTS = 4  # extra slots per sliding ring: steps of up to SPARE_SLOTS + 1 tokens write in place, and
+# a step of up to SPARE_SLOTS + 2 tokens can roll back to any of its positions
 
 
 class KVRing:
@@ -30,8 +34,12 @@ class KVRing:
         return self.k[:n], self.v[:n], self.pos[:n]
 
     def evicts(self, t: int) -> bool:
-        """Would writing ``t`` new entries overwrite a slot that one of the new queries still needs?"""
-        return t > 1 and self.length + t > self.capacity
+        """Would writing ``t`` new entries overwrite a slot that one of the new queries still needs?
+        (The first new query, at position ``length``, needs positions above ``length - window``.)"""
+        if self.length + t <= self.capacity:
+            return False
+        window = self.capacity if self.window is None else self.window
+        return t > self.capacity - window + 1
 
     def write(self, k: np.ndarray, v: np.ndarray, start: int) -> None:
         """Store entries for positions ``start..start+T-1`` (only the last `capacity` survive)."""

@@ -21,16 +21,21 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import ContextError
 from ..kernels.ops import softcap
 from ..weights.matrix import Matrix
 from .cache import KVState
 from .threads import check_threads, compute
 
+PREFILL_CHUNK = 512  # prompt tokens per graph call: activations and the attention's key
+# windows stay this size however long the prompt, so memory stays flat
+
+
 class Graph(Protocol):
     def new_state(self, context: int) -> KVState: ...
 
     def forward(self, state: KVState, x0: np.ndarray, ple_rows: np.ndarray | None,
-                keep: np.ndarray | None = None, capture: list | None = None) -> np.ndarray: ...
+                keep: np.ndarray | None = None, capture: list | None = None, each: bool = False) -> np.ndarray: ...
 
     def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray: ...
 
@@ -47,9 +52,9 @@ class SoftTokens:
     vectors: np.ndarray  # float32 [n, H]
     keys: np.ndarray  # int64 [n], negative (never a token id)
 
-    def after(self, start: int) -> "SoftTokens | None":
-        """The rows from prompt position ``start`` on, renumbered from there (None if none)."""
-        keep = self.rows >= start
+    def after(self, start: int, stop: int | None = None) -> "SoftTokens | None":
+        """The rows from prompt position ``start`` on (to ``stop``), renumbered from there (None if none)."""
+        keep = (self.rows >= start) & (self.rows < (stop if stop is not None else np.iinfo(np.int64).max))
         if not keep.any():
             return None
         return SoftTokens(self.rows[keep] - start, self.vectors[keep], self.keys[keep])
@@ -86,9 +91,30 @@ class Engine:
     def forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None = None,
                 capture: list | None = None, soft: SoftTokens | None = None) -> np.ndarray:
         """Run ``ids`` after what ``state`` holds; final hidden states of the ``keep`` rows (all by
-        default). Host row lookups (``soft`` rows given, not looked up), then the graph; the ids
-        (``soft``'s keys for its rows) are recorded in ``state.tokens``."""
-        ids = np.asarray(ids, dtype=np.int64)
+        default), in ``PREFILL_CHUNK``-token graph calls (one call with ``capture``, for debugging).
+        Host row lookups (``soft`` rows given, not looked up), then the graph; the ids (``soft``'s
+        keys for its rows) are recorded in ``state.tokens``."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        if capture is not None or n <= PREFILL_CHUNK:
+            return self._forward(state, ids, keep, capture, soft)
+        if state.length + n > state.context:
+            raise ContextError(f"sequence of {state.length + n} tokens exceeds the context of {state.context}")
+        want = np.arange(n) if keep is None else np.asarray(keep, dtype=np.int64).reshape(-1) % n
+        rows = np.unique(want)  # sorted: each chunk keeps a contiguous run of them
+        parts = []
+        for c0 in range(0, n, PREFILL_CHUNK):
+            c1 = min(n, c0 + PREFILL_CHUNK)
+            mine = rows[(rows >= c0) & (rows < c1)] - c0
+            # a chunk with no wanted row still keeps one (the last), so KV-shared layers run one row
+            h = self._forward(state, ids[c0:c1], mine if mine.size else np.array([c1 - c0 - 1]), None,
+                              soft.after(c0, c1) if soft is not None else None)
+            if mine.size:
+                parts.append(h)
+        return np.concatenate(parts)[np.searchsorted(rows, want)]
+
+    def _forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None, capture: list | None,
+                 soft: SoftTokens | None, each: bool = False) -> np.ndarray:
         look = ids
         if soft is not None:
             look = ids.copy()
@@ -98,7 +124,7 @@ class Engine:
             if soft is not None:
                 x0[soft.rows] = soft.vectors
             ple = self.ple_table.rows(look) * self.ple_scale if self.ple_table is not None else None
-            h = self.graph.forward(state, x0, ple, keep=keep, capture=capture)
+            h = self.graph.forward(state, x0, ple, keep=keep, capture=capture, each=each)
         state.tokens.extend(soft.keyed(ids) if soft is not None else (int(i) for i in ids))
         return h
 
@@ -106,14 +132,22 @@ class Engine:
         """Run a prompt (or the new part of one); the final hidden state of its last position ``[1, H]``."""
         return self.forward(state, ids, keep=np.array([len(ids) - 1]), soft=soft)
 
-    def logits(self, h: np.ndarray) -> np.ndarray:
-        """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap)."""
+    def logits(self, h: np.ndarray, each: bool = False) -> np.ndarray:
+        """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap);
+        ``each``: each row computed as alone (`Matrix.matmul_each`)."""
         with compute(self.threads):
-            return softcap(self.lm_head.matmul(h), self.softcap)
+            return softcap(self.lm_head.matmul_each(h) if each else self.lm_head.matmul(h), self.softcap)
 
     def decode_step(self, state: KVState, token: int) -> np.ndarray:
         """Append one token to ``state``; the logits ``[vocab]`` of the next position."""
         return self.logits(self.forward(state, np.array([token], dtype=np.int64)))[0]
+
+    def decode_rows(self, state: KVState, tokens) -> np.ndarray:
+        """Append a few tokens to ``state`` in one step (weights read once): logits ``[T, vocab]``,
+        row ``i`` exactly what ``decode_step`` gives after ``tokens[:i]`` (prompt-lookup verification:
+        every product row is computed as in a one-token step)."""
+        h = self._forward(state, np.asarray(tokens, dtype=np.int64), None, None, None, each=True)
+        return self.logits(h, each=True)
 
     def decode_batch(self, states: list[KVState], tokens) -> np.ndarray:
         """One token for each of B sequences in one pass over the weights: logits ``[B, vocab]``,

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..errors import ContextError, InputError, NumericalError
+from ..kernels import common
 from ..tokenizer import Tokenizer
 from . import inputs
 from .cache import KVState
@@ -18,6 +19,7 @@ from .sampling import Sampler, SamplingParams
 
 END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
 DEFAULT_MAX_NEW_TOKENS = 256
+PROMPT_LOOKUP_DRAFTS = 3  # draft tokens per prompt-lookup step: with the current token, FEW_ROWS rows
 
 
 @dataclass
@@ -72,6 +74,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
+    draft_tokens: int = 0  # prompt lookup: tokens drafted, and how many of them were right
+    accepted_tokens: int = 0
 
 
 class Stream:
@@ -110,10 +114,20 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 
 
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
-                 stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None) -> Iterator[int]:
+                 stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
+                 prompt_lookup: int = 0) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
     prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
-    ``ids`` given as embeddings (images); they match a cached prefix only by their keys."""
+    ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
+
+    ``prompt_lookup`` > 0: prompt-lookup decoding with up to that many draft tokens per step
+    (at most ``FEW_ROWS - 1``, so a step reads each weight once): the tokens that followed the
+    latest earlier occurrence of the text's last n-gram are run in one step after the current
+    token, and the sampler walks the step's rows in order, keeping drafts while they equal
+    what it picks. Each kept row saw exactly the tokens plain decoding would have fed it, and
+    `Engine.decode_rows` computes each row bit for bit as a one-token step, so the tokens (and a
+    seeded sampler's draws) are those of plain decoding; the KV entries of rejected drafts are
+    rolled back (`KVState.truncate`)."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
     reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
@@ -126,23 +140,64 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    logits = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))[0]
+    rows = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))
     stats.prefill_s = time.perf_counter() - t0
-    for step in range(max_new_tokens):
-        _check_finite(logits, step)
-        tok = sampler(logits, history)
-        if tok in stop_ids:
-            stats.finish_reason = "stop"
-            return
-        stats.new_tokens += 1
-        yield tok
-        history.append(tok)
-        if step + 1 == max_new_tokens or state.length >= engine.context:
-            stats.finish_reason = "length"
-            return
+    drafts: list[int] = []
+    while True:
+        for i, logits in enumerate(rows):
+            _check_finite(logits, stats.new_tokens)
+            tok = sampler(logits, history)
+            if tok in stop_ids:
+                stats.finish_reason = "stop"
+                return
+            stats.new_tokens += 1
+            yield tok
+            history.append(tok)
+            if stats.new_tokens == max_new_tokens or state.length >= engine.context:
+                stats.finish_reason = "length"
+                return
+            if i == len(drafts) or tok != drafts[i]:
+                break
+            stats.accepted_tokens += 1
+        if len(rows) > 1 and not state.truncate(state.length - len(drafts) + i):  # drop the rejected drafts
+            raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
+        room = min(prompt_lookup, common.FEW_ROWS - 1, engine.context - state.length - 1,
+                   max_new_tokens - stats.new_tokens - 1)
+        drafts = lookup_drafts(history, room) if room > 0 else []
+        stats.draft_tokens += len(drafts)
         t0 = time.perf_counter()
-        logits = engine.decode_step(state, tok)
+        if drafts:
+            rows = engine.decode_rows(state, [tok, *drafts])
+        else:
+            rows = engine.decode_step(state, tok)[None]
         stats.decode_s += time.perf_counter() - t0
+
+
+def prompt_lookup_drafts(v) -> int:
+    """Draft tokens per step for a call's ``prompt_lookup`` option: True = `PROMPT_LOOKUP_DRAFTS`,
+    False or None = 0, or a count >= 0 (at most ``FEW_ROWS - 1`` are used)."""
+    if v is None:
+        return 0
+    if isinstance(v, (bool, np.bool_)):
+        return PROMPT_LOOKUP_DRAFTS if v else 0
+    return inputs.integer(v, "prompt_lookup", 0)
+
+
+def lookup_drafts(history: list[int], k: int, ngrams: tuple[int, ...] = (3, 2, 1)) -> list[int]:
+    """Up to ``k`` draft tokens: those that followed the latest earlier occurrence of the last
+    n-gram of ``history`` (the longest n of ``ngrams`` that occurs), [] when none does."""
+    h = np.asarray(history, dtype=np.int64)
+    for n in ngrams:
+        if len(h) <= n:
+            continue
+        tail = h[-n:]
+        starts = np.flatnonzero(h[: len(h) - n] == tail[0])  # earlier starts (not the tail itself)
+        for j in range(1, n):
+            starts = starts[h[starts + j] == tail[j]]
+        if starts.size:
+            s = int(starts[-1]) + n
+            return h[s : s + k].tolist()
+    return []
 
 
 def _check_finite(logits: np.ndarray, step: int) -> None:

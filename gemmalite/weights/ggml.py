@@ -24,8 +24,8 @@ import math
 import numpy as np
 
 from ..kernels import common
-from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, block_mv1_w8a16, block_mvn_w8a16, row_bytes, type_name
-from ..kernels.simd import int16_activation_rows, int16_activations
+from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, block_mvn_w8a16, row_bytes, type_name
+from ..kernels.simd import int16_activation_rows
 from .matrix import BF16, Matrix
 
 # The fused kernel is used for T <= FEW_ROWS input rows always, and up to FUSED_MAX_T rows while
@@ -112,10 +112,8 @@ class GGMLMatrix(Matrix):
         n_t = x2.shape[0]
         if self.qtype == "F32":
             out = x2 @ self._w.T
-        elif self.qtype in ("Q8_0", "Q5_0") and n_t == 1 and common.HAVE_AVX2:
-            xq, xd, _ = int16_activations(x2[0], 32)
-            out = np.empty((1, self.shape[0]), dtype=np.float32)
-            block_mv1_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out[0])
+        elif self._int16_rows() and 1 <= n_t <= common.FEW_ROWS:
+            out = self._rows_w8a16(x2)
         elif self._k is not None and self._fused(n_t):
             out = np.empty((n_t, self.shape[0]), dtype=np.float32)
             big = self.shape[0] * self.shape[1] * max(1, n_t // 4) >= PARALLEL_MIN
@@ -126,14 +124,21 @@ class GGMLMatrix(Matrix):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if self.qtype in ("Q8_0", "Q5_0") and common.HAVE_AVX2:
-            xq, xd, _ = int16_activation_rows(x, 32)
-            out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-            block_mvn_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out)
-            return out
+        if self._int16_rows():
+            return self._rows_w8a16(x)
         if self._k is not None:  # the fused kernel computes each row as it computes one
             return self._each_in_chunks(x, common.FEW_ROWS)
         return super().matmul_each(x)
+
+    def _int16_rows(self) -> bool:
+        return self.qtype in ("Q8_0", "Q5_0") and common.HAVE_AVX2
+
+    def _rows_w8a16(self, x: np.ndarray) -> np.ndarray:
+        """Rows of ``x``, each computed as alone, weights read once: Q8_0 / Q5_0 with int16 activations."""
+        xq, xd, _ = int16_activation_rows(x, 32)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        block_mvn_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out)
+        return out
 
     def _fused(self, n_t: int) -> bool:
         return 0 < n_t and (n_t <= common.FEW_ROWS or (n_t <= FUSED_MAX_T and n_t * self.shape[1] <= FUSED_MAX_X))

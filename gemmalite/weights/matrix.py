@@ -14,10 +14,12 @@ tokenization or sampling.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..kernels import common
-from ..kernels.numba_ops import bf16_matmul_small, f32_matmul_small
+from ..kernels.numba_ops import f32_matmul_small, half_matmul_small, half_rows_to_f32
 
 try:  # bfloat16 is only a storage format here; math is float32
     import ml_dtypes
@@ -26,7 +28,22 @@ try:  # bfloat16 is only a storage format here; math is float32
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
-ROW_BLOCK = 4096  # rows converted per block when a half-precision table is multiplied
+_PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per converted prefill block
+_scratch = threading.local()
+
+
+def _scratch_buffer(n: int) -> np.ndarray:
+    """A float32 buffer reused by the prefill products of the calling thread (grown on demand):
+    per thread, so that two requests computing at once never share it."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, dtype=np.float32)
+    return buf[:n]
+
+
+def _prefill_rows(cols: int) -> int:
+    b = _PREFILL_ELEMS // max(cols, 1)
+    return int(min(1024, max(256, b - b % 64)))
 
 
 class Matrix:
@@ -60,6 +77,28 @@ class Matrix:
         """The whole matrix in float32 (tests and conversion only)."""
         return self.rows(np.arange(self.shape[0]))
 
+    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
+        """Rows ``r0 .. r0 + len(out)`` in float32 into ``out`` (compressed storage only)."""
+        raise NotImplementedError
+
+    def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
+        """Prefill of compressed storage: convert blocks of rows into the calling thread's
+        scratch buffer, multiply each with BLAS; no float32 copy of the whole matrix.
+
+        The conversion runs on the calling thread only (serial numba kernel): with a
+        parallel one, numba's OpenMP workers and OpenBLAS's spinning workers would alternate
+        block by block and oversubscribe the cores. BLAS uses all cores for the product.
+        """
+        n, k = self.shape
+        out = np.empty((x.shape[0], n), dtype=np.float32)
+        b = _prefill_rows(k)
+        buf = _scratch_buffer(min(b, n) * k).reshape(-1, k)
+        for r0 in range(0, n, b):
+            blk = buf[: min(b, n - r0)]
+            self._dequant_range(r0, blk)
+            np.matmul(x, blk.T, out=out[:, r0 : r0 + blk.shape[0]])
+        return out
+
 
 class F32Matrix(Matrix):
     """A float32 matrix in memory: BLAS does the products, numba the few-row (decode) ones."""
@@ -89,15 +128,19 @@ class F32Matrix(Matrix):
 
 
 class HalfMatrix(Matrix):
-    """A bfloat16 / float16 matrix left in its stored dtype (typically memory-mapped).
+    """A bfloat16 / float16 matrix used in place, in its stored dtype (typically memory-mapped
+    from the checkpoint: loading copies nothing, memory holds 2 bytes per weight).
 
-    Rows are converted to float32 only when asked for; a product converts blocks of rows,
-    so no float32 copy of the whole table is ever made.
+    Decode (``T <= FEW_ROWS``) converts each weight in registers as it is read
+    (`half_matmul_small`); prefill converts blocks of rows into a per-thread float32 buffer
+    for BLAS; ``rows`` converts only the rows asked for.
     """
 
     def __init__(self, w: np.ndarray):
         assert w.ndim == 2 and w.dtype in (np.float16, BF16), w.dtype
-        self.w = w
+        self.w = np.ascontiguousarray(w)  # no copy when contiguous (memory-mapped)
+        self._bits = self.w.view(np.uint16)
+        self._bf16 = w.dtype == BF16
         self.shape = w.shape
 
     @property
@@ -107,19 +150,24 @@ class HalfMatrix(Matrix):
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return self.w[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 
+    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
+        half_rows_to_f32(self._bits, r0, self._bf16, out)
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"x must be [T, {self.shape[1]}], got {x.shape}")
+        if x.shape[0] > common.FEW_ROWS:
+            return self._matmul_blocked(x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        if self.w.dtype == BF16 and x.shape[0] <= common.FEW_ROWS:
-            bf16_matmul_small(x, self.w.view(np.uint16), out)
-            return out
-        for r0 in range(0, self.shape[0], ROW_BLOCK):
-            blk = self.w[r0 : r0 + ROW_BLOCK].astype(np.float32)
-            out[:, r0 : r0 + blk.shape[0]] = x @ blk.T
+        half_matmul_small(x, self._bits, self._bf16, out)
         return out
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        return self._each_in_chunks(x, common.FEW_ROWS) if self.w.dtype == BF16 else super().matmul_each(x)
+        return self._each_in_chunks(x, common.FEW_ROWS)
+
+    def __repr__(self):
+        return f"HalfMatrix{self.shape}({'bfloat16' if self._bf16 else 'float16'})"
 
 
 def as_matrix(w: np.ndarray, *, keep_half: bool = False) -> Matrix:

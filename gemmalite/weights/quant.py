@@ -2,7 +2,8 @@
 
 Both classes implement :class:`gemmalite.weights.matrix.Matrix`. Activations stay 16/32-bit: the math
 is float32, so ``matmul(x)`` agrees with ``x @ dense().T`` to float32 rounding, except decode
-(T=1, AVX2), which rounds ``x`` to int16 per group (the int4 grid's groups; 32 values for
+rows (T <= FEW_ROWS, AVX2: a decode step or a prompt-lookup verification step; each row
+computed bit for bit as alone), which round ``x`` to int16 per group (the int4 grid's groups; 32 values for
 int8; step ``max|x| / 32767``: W8A16 / W4A16, as NPUs run them) so that the products are
 exact 16-bit integer multiply-adds (:mod:`gemmalite.kernels.simd`); that rounding is ~100 times
 smaller than the int8 weight error and ~1e4 times smaller than the int4 one.
@@ -45,22 +46,19 @@ call in a decode step; ``OPENBLAS_THREAD_TIMEOUT=4``).
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from ..kernels import common
-from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv1_w4a16, i4_mv4, i4_mvn_w4a16,
+from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
-                             i8_mv1_rows4, i8_mv1_w8a16, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
-from ..kernels.simd import TILE_BLOCK, int16_activation_rows, int16_activations
+                             i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
+from ..kernels.simd import TILE_BLOCK, int16_activation_rows
 from .matrix import Matrix
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 
 TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
-_PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per dequantized prefill block
 LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
 LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections gain)
 
@@ -73,23 +71,6 @@ def _ids(ids) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
 
 
-_scratch = threading.local()
-
-
-def _scratch_buffer(n: int) -> np.ndarray:
-    """A float32 buffer reused by the prefill products of the calling thread (grown on demand):
-    per thread, so that two requests computing at once never share it."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _scratch.buf = np.empty(n, dtype=np.float32)
-    return buf[:n]
-
-
-def _prefill_rows(cols: int) -> int:
-    b = _PREFILL_ELEMS // max(cols, 1)
-    return int(min(1024, max(256, b - b % 64)))
-
-
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != cols:
@@ -98,10 +79,6 @@ def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
 
 
 class _Quantized(Matrix):
-    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
-        """Rows ``r0 .. r0 + len(out)`` in float32 into ``out``."""
-        raise NotImplementedError
-
     def _dequant_ids(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ``ids`` (in range) in float32 into ``out``."""
         raise NotImplementedError
@@ -113,23 +90,6 @@ class _Quantized(Matrix):
             if ids.min() < -self.shape[0] or ids.max() >= self.shape[0]:
                 raise IndexError("row id out of range")
             self._dequant_ids(ids % self.shape[0], out)
-        return out
-
-    def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
-        """Prefill: dequantize blocks of rows into a reused buffer, multiply with BLAS.
-
-        The dequantization runs on the calling thread only (serial numba kernel): with a
-        parallel one, numba's OpenMP workers and OpenBLAS's spinning workers would alternate
-        block by block and oversubscribe the two cores. BLAS uses all cores for the product.
-        """
-        n, k = self.shape
-        out = np.empty((x.shape[0], n), dtype=np.float32)
-        b = _prefill_rows(k)
-        buf = _scratch_buffer(min(b, n) * k).reshape(-1, k)
-        for r0 in range(0, n, b):
-            blk = buf[: min(b, n - r0)]
-            self._dequant_range(r0, blk)
-            np.matmul(x, blk.T, out=out[:, r0 : r0 + blk.shape[0]])
         return out
 
 
@@ -187,11 +147,10 @@ class Int8Matrix(_Quantized):
         t = x.shape[0]
         if t > common.FEW_ROWS:
             return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
+        if self._int16_rows():
+            return self._rows_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
-        if t == 1 and common.HAVE_AVX2 and self.shape[1] % 32 == 0:
-            xq, xd, _ = int16_activations(x[0], 32)
-            i8_mv1_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
-        elif t == 1:
+        if t == 1:
             (i8_mv1_rows4 if self.shape[1] >= LONG_ROW else i8_mv1)(self.q, self.scale, x, out)
         elif t > 1:
             i8_mv4(self.q, self.scale, x, out)
@@ -199,8 +158,13 @@ class Int8Matrix(_Quantized):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
-        if not (common.HAVE_AVX2 and self.shape[1] % 32 == 0):
-            return super().matmul_each(x)
+        return self._rows_w8a16(x) if self._int16_rows() else super().matmul_each(x)
+
+    def _int16_rows(self) -> bool:
+        return common.HAVE_AVX2 and self.shape[1] % 32 == 0
+
+    def _rows_w8a16(self, x: np.ndarray) -> np.ndarray:
+        """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W8A16)."""
         xq, xd, _ = int16_activation_rows(x, 32)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i8_mvn_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
@@ -309,13 +273,10 @@ class Int4Matrix(_Quantized):
         t = x.shape[0]
         if t > common.FEW_ROWS:
             return self._matmul_blocked(x)
+        if common.HAVE_AVX2:
+            return self._rows_w4a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 0:
-            return out
-        if t == 1 and common.HAVE_AVX2:
-            xq, xd, xs = int16_activations(x[0], self.group)
-            i4_mv1_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
-                          4 if self.shape[1] >= LONG_ROW_SIMD else 1, out[0])
             return out
         xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
         group_sums(x, self.group, xs)
@@ -327,8 +288,10 @@ class Int4Matrix(_Quantized):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
-        if not common.HAVE_AVX2:
-            return super().matmul_each(x)
+        return self._rows_w4a16(x) if common.HAVE_AVX2 else super().matmul_each(x)
+
+    def _rows_w4a16(self, x: np.ndarray) -> np.ndarray:
+        """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W4A16)."""
         xq, xd, xs = int16_activation_rows(x, self.group)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i4_mvn_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,

@@ -26,6 +26,106 @@ def test_numba_attention_matches_batched(t, window, monkeypatch):
     assert np.isfinite(kernels.attention(q[:1], k, v, np.array([-5]), k_pos, window, 0.25)).all()
 
 
+def _qkv(rng, t, n, nq, kv, d):
+    q = rng.standard_normal((t, nq, d)).astype(np.float32)
+    k = rng.standard_normal((n, kv, d)).astype(np.float32)
+    v = rng.standard_normal((n, kv, d)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("window", [None, 37, 200])
+@pytest.mark.parametrize("t,past", [(5, 0), (130, 0), (67, 150), (300, 41)])
+def test_blocked_attention_matches_batched(t, past, window, causal):
+    """The blocked online-softmax kernel (every prefill of a BLAS-free model, and the encoder's
+    bidirectional attention) against the batched numpy path: ring order, empty slots, several
+    key blocks, partial blocks, GQA."""
+    rng = np.random.default_rng(t + past)
+    nq, kv, d = 6, 3, 24
+    n = past + t + 9  # 9 empty slots
+    q, k, v = _qkv(rng, t, n, nq, kv, d)
+    k_pos = np.full(n, -1, np.int64)
+    k_pos[: past + t] = np.arange(past + t)
+    k_pos = k_pos[rng.permutation(n)] if past else k_pos  # a wrapped ring: slots out of order
+    q_pos = np.arange(past, past + t, dtype=np.int64)
+    fast = kernels.attention(q, k, v, q_pos, k_pos, window, 0.3, causal=causal)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.3, blas_free=False, causal=causal)
+    np.testing.assert_allclose(fast, ref, rtol=2e-5, atol=3e-6)
+    # float64 softmax of the same inputs: both float32 paths are close to it
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    g = nq // kv
+    for i in (0, t // 2, t - 1):
+        vis = (k_pos >= 0) & ((k_pos <= q_pos[i]) if causal else True)
+        if window:
+            vis &= (k_pos > q_pos[i] - window) if causal else (np.abs(k_pos - q_pos[i]) <= window)
+        for h in (0, nq - 1):
+            sc = k64[vis, h // g] @ q64[i, h] * 0.3
+            p = np.exp(sc - sc.max())
+            o = (p / p.sum()) @ v64[vis, h // g]
+            np.testing.assert_allclose(fast[i, h * d : (h + 1) * d], o, rtol=1e-5, atol=2e-6)
+
+
+def test_blocked_attention_skips_blocks_out_of_reach():
+    """A sliding layer reads only the key blocks inside the window: poison (NaN) every key
+    and value that no query can see, in whole blocks, and the result does not change."""
+    from gemmalite.kernels.numba_ops import KEY_BLOCK
+
+    rng = np.random.default_rng(5)
+    t, window, nq, kv, d = 40, 24, 4, 1, 16
+    old = 4 * KEY_BLOCK  # positions far behind every query's window
+    n = old + t
+    q, k, v = _qkv(rng, t, n, nq, kv, d)
+    k_pos = np.arange(n, dtype=np.int64)
+    q_pos = np.arange(old, n, dtype=np.int64)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.5, blas_free=False)
+    cut = (old - window) // KEY_BLOCK * KEY_BLOCK  # blocks wholly before the first window
+    k[:cut] = np.nan
+    v[:cut] = np.nan
+    fast = kernels.attention(q, k, v, q_pos, k_pos, window, 0.5)
+    np.testing.assert_allclose(fast, ref, rtol=2e-5, atol=3e-6)
+    # causal too: a block wholly after every query is never read (empty slots up to the block edge)
+    fill = (-n) % KEY_BLOCK
+    k2 = np.concatenate([k, np.zeros((fill, kv, d), np.float32), np.full((KEY_BLOCK, kv, d), np.nan, np.float32)])
+    v2 = np.concatenate([v, np.zeros((fill, kv, d), np.float32), np.full((KEY_BLOCK, kv, d), np.nan, np.float32)])
+    p2 = np.concatenate([k_pos, np.full(fill, -1), np.arange(n + 10, n + 10 + KEY_BLOCK)])
+    fast = kernels.attention(q, k2, v2, q_pos, p2, window, 0.5)
+    np.testing.assert_allclose(fast, ref, rtol=2e-5, atol=3e-6)
+
+
+def test_blocked_bidirectional_attention_skips_blocks_out_of_reach():
+    """Bidirectional (encoder) with a radius: key blocks farther than the radius from every
+    query, before and after, are never read (NaN there changes nothing)."""
+    from gemmalite.kernels.numba_ops import KEY_BLOCK
+
+    rng = np.random.default_rng(6)
+    radius, nq, kv, d = 10, 2, 1, 8
+    n = 8 * KEY_BLOCK
+    q0, q1 = 3 * KEY_BLOCK + 20, 4 * KEY_BLOCK + 30  # queries in the middle
+    q, k, v = _qkv(rng, q1 - q0, n, nq, kv, d)
+    k_pos = np.arange(n, dtype=np.int64)
+    q_pos = np.arange(q0, q1, dtype=np.int64)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, radius, 0.5, blas_free=False, causal=False)
+    k[: 3 * KEY_BLOCK], v[: 3 * KEY_BLOCK] = np.nan, np.nan
+    k[5 * KEY_BLOCK :], v[5 * KEY_BLOCK :] = np.nan, np.nan
+    fast = kernels.attention(q, k, v, q_pos, k_pos, radius, 0.5, causal=False)
+    np.testing.assert_allclose(fast, ref, rtol=2e-5, atol=3e-6)
+
+
+def test_decode_rows_are_bit_identical_to_one_row_steps():
+    """A step of several tokens (prompt-lookup verification) gives each row bit for bit what a
+    one-token step gives it, although its call sees more (masked) slots."""
+    rng = np.random.default_rng(9)
+    nq, kv, d, n = 4, 2, 64, 93
+    q, k, v = _qkv(rng, 4, n + 4, nq, kv, d)
+    k_pos = np.arange(n + 4, dtype=np.int64)
+    q_pos = np.arange(n, n + 4, dtype=np.int64)
+    both = kernels.attention(q, k, v, q_pos, k_pos, None, 0.125)
+    for i in range(4):
+        alone = kernels.attention(q[i : i + 1], k[: n + i + 1], v[: n + i + 1], q_pos[i : i + 1], k_pos[: n + i + 1],
+                                  None, 0.125)
+        np.testing.assert_array_equal(both[i], alone[0])
+
+
 @pytest.mark.parametrize("shape", [(18, 4, 256), (1, 8, 512), (37, 3, 64)])
 def test_apply_rope_is_the_rotate_half_expression_to_the_bit(shape):
     from gemmalite.kernels.ops import apply_rope, rope_tables

@@ -53,3 +53,18 @@ def test_state_truncate_is_all_or_nothing():
     assert not state.truncate(5)
     assert state.length == 10 and rings[1].length == 10  # unchanged
     assert state.truncate(9) and state.tokens == list(range(9)) and rings[1].length == 9
+
+
+def test_spare_slots_let_a_short_step_write_in_place_and_roll_back():
+    """window 4 + 4 spare slots: a 4-token step writes in place (nothing the new queries need is
+    overwritten) and rolls back to any of its positions; a longer step cannot roll back to every position."""
+    ring = KVRing(8, 1, 2, window=4)
+    ring.write(*_kv(range(20)), start=0)
+    assert not ring.evicts(4) and not ring.evicts(5) and ring.evicts(6)
+    ring.write(*_kv(range(20, 24)), start=20)
+    assert all(ring.can_truncate(n) for n in range(20, 25))
+    ring.truncate(21)
+    pos = ring.view()[2]
+    assert sorted(pos[pos >= 0].tolist()) == list(range(16, 21))  # what position 21's query needs, and more
+    ring.write(*_kv(range(21, 28)), start=21)  # 7 tokens: rolls back no further than its 3rd position
+    assert not ring.can_truncate(22) and ring.can_truncate(23)

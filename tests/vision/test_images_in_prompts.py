@@ -12,6 +12,7 @@ import torch
 import hf_oracle
 import vision_oracle as vo
 from gemmalite.errors import ConfigError, ImageError
+from gemmalite.runtime import engine as engine_mod
 from gemmalite.runtime.generate import GenerationStats, generate_ids
 from gemmalite.runtime.sampling import SamplingParams
 
@@ -67,7 +68,7 @@ def _reference_inputs(images):
     return torch.tensor([ids]), out["pixel_values"], out["image_position_ids"]
 
 
-def test_logits_and_greedy_match_transformers(ckpt, gl):
+def test_logits_and_greedy_match_transformers(ckpt, gl, monkeypatch):
     path, hf = ckpt
     model = gl.load(path)
     ids, pix, pos = _reference_inputs(IMAGES)
@@ -76,6 +77,10 @@ def test_logits_and_greedy_match_transformers(ckpt, gl):
     ours = model.logits(PROMPT, images=IMAGES)
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= 1e-4, np.abs(ours - ref).max()
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 37)  # chunked prefill: chunk edges inside the pictures
+    chunked = model.logits(PROMPT, images=IMAGES)
+    assert np.abs(chunked - ref).max() <= 1e-4, np.abs(chunked - ref).max()
+    monkeypatch.undo()
     assert np.array_equal(model.with_images(PROMPT, IMAGES)[0], ids[0].numpy())
     with torch.no_grad():
         out = hf.generate(input_ids=ids, pixel_values=pix, image_position_ids=pos, do_sample=False, max_new_tokens=24,

@@ -4,6 +4,7 @@ import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
+import gemmalite.weights.matrix as matrix  # noqa: E402
 import gemmalite.weights.quant as quant  # noqa: E402
 from gemmalite.formats.converted import QUANT_METHOD, assemble  # noqa: E402
 from gemmalite.kernels import common  # noqa: E402
@@ -33,14 +34,15 @@ def _w(rows, cols, seed=0, dist="normal"):
 
 def _activation_step(m, x):
     """Half the int16 rounding step of each activation where the kernel quantizes them (with
-    AVX2: T=1 per group of the int4 grid or of 32 for int8; int8 prefill per TILE_BLOCK values;
+    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int8 prefill
+    per TILE_BLOCK values;
     step = max|x| / 32767), else 0: the kernel's only error beyond float32."""
     t, k = x.shape
     if not common.HAVE_AVX2:
         return np.zeros_like(x)
     if isinstance(m, Int4Matrix):
-        group = m.group if t == 1 else 0
-    elif t == 1:
+        group = m.group if t <= common.FEW_ROWS else 0
+    elif t <= common.FEW_ROWS:
         group = 32
     else:
         group = TILE_BLOCK if t > common.FEW_ROWS else 0
@@ -61,7 +63,9 @@ def _check_matmul(m, seed=1, ts=TS):
         ref = x.astype(np.float64) @ d.T.astype(np.float64)
         # forward error bound of a float32 dot product, relative to sum |x||w|, plus the
         # activation rounding where there is one (sum |w| * step / 2)
-        bound = 1e-5 * (np.abs(x) @ np.abs(d).T) + _activation_step(m, x) @ np.abs(d).T + 1e-30
+        # (int4: the rounded x meets the scaled nibbles, scale * n = w - min, not w itself)
+        wq = np.abs(d - np.repeat(m.mins.astype(np.float32), m.group, axis=1)) if isinstance(m, Int4Matrix) else np.abs(d)
+        bound = 1e-5 * (np.abs(x) @ np.abs(d).T) + _activation_step(m, x) @ wq.T + 1e-30
         err = np.abs(y - ref)
         assert np.all(err <= bound), (t, float((err / bound).max()))
         np.testing.assert_allclose(y, x @ d.T, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
@@ -107,7 +111,7 @@ def test_int8_blocked_quantize_and_large_prefill(monkeypatch):
     import gemmalite.weights.quant as quant
 
     monkeypatch.setattr(quant, "QUANT_BLOCK", 64)  # several row blocks, ragged last
-    monkeypatch.setattr(quant, "_PREFILL_ELEMS", 64 * 96)
+    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 96)
     w = _w(300, 96, seed=3).astype(ml_dtypes.bfloat16)
     m = Int8Matrix.quantize(w)
     ref = Int8Matrix.quantize(w.astype(np.float32))
@@ -235,7 +239,7 @@ def test_int4_prefill_blocks(monkeypatch):
     import gemmalite.weights.quant as quant
 
     monkeypatch.setattr(quant, "QUANT_BLOCK", 50)
-    monkeypatch.setattr(quant, "_PREFILL_ELEMS", 64 * 128)
+    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 128)
     w = _w(333, 128, seed=5).astype(ml_dtypes.bfloat16)
     m = Int4Matrix.quantize(w)
     _check_int4_bound(m, w)

@@ -1,8 +1,9 @@
 """Tensors named by the contract -> the decoder graph and the host's tables.
 
 Big tables (token embeddings, which double as the tied LM head, and the PLE table) stay
-memory-mapped in their stored dtype; projections become float32 matrices, or int8/int4
-when ``quant`` asks for it (already-quantized ones are used as they are).
+memory-mapped in their stored dtype; so do bfloat16 / float16 projections (used in place,
+converted as they are read), while float32 ones stay float32; ``quant`` makes them int8/int4
+(already-quantized ones are used as they are).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...weights.matrix import F32Matrix, Matrix, as_matrix
+from ...weights.matrix import Matrix, as_matrix
 from ...weights.quant import Int4Matrix, Int8Matrix, quantize
 from .config import ModelConfig
 from .contract import NORMS, PROJECTIONS, expected_shapes
@@ -29,9 +30,10 @@ class GemmaWeights:
 
 
 def matrix_factory(quant: str | None) -> Callable[[Any], Matrix]:
-    """How projection weights are held: float32, or quantized from whatever is stored."""
+    """How projection weights are held: as stored (half precision in place, anything else as
+    float32), or quantized from whatever is stored."""
     if quant is None:
-        return lambda t: t if isinstance(t, Matrix) else F32Matrix(np.asarray(t, dtype=np.float32))
+        return lambda t: t if isinstance(t, Matrix) else as_matrix(t, keep_half=True)
 
     def make(t: Any) -> Matrix:
         if isinstance(t, (Int8Matrix, Int4Matrix)):  # already quantized (converted checkpoint)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...errors import ContextError
 from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
-from ...runtime.cache import KVRing, KVState
+from ...runtime.cache import SPARE_SLOTS, KVRing, KVState
 from ...weights.matrix import Matrix
 from .config import ModelConfig
 from .contract import PROJECTIONS
@@ -70,12 +70,13 @@ class DecoderGraph:
         self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
 
     def new_state(self, context: int) -> KVState:
-        """Empty caches: a ring of ``sliding_window`` entries per sliding layer, ``context`` per full layer."""
+        """Empty caches: ``sliding_window + SPARE_SLOTS`` entries per sliding layer, ``context`` per full layer."""
         rings = {}
         for s in self.cfg.layers:
             if s.owns_kv:
                 window = min(self.cfg.sliding_window, context) if s.sliding else None
-                rings[s.index] = KVRing(window or context, s.num_kv_heads, s.head_dim, window)
+                size = min(window + SPARE_SLOTS, context) if window else context
+                rings[s.index] = KVRing(size, s.num_kv_heads, s.head_dim, window)
         return KVState(rings, context)
 
     def forward(
@@ -85,6 +86,7 @@ class DecoderGraph:
         ple_rows: np.ndarray | None,
         keep: np.ndarray | None = None,
         capture: list[np.ndarray] | None = None,
+        each: bool = False,
     ) -> np.ndarray:
         """Run positions ``state.length ..`` through all layers, appending their K/V to ``state``.
 
@@ -92,6 +94,8 @@ class DecoderGraph:
         (None without PLE); ``keep`` the row indices whose outputs are wanted (default all):
         KV-shared layers run only for those rows, since no other layer reads their output.
         ``capture`` (debugging) receives the input and each layer's output, all rows.
+        ``each``: every product row computed exactly as in a one-token step (`Matrix.matmul_each`:
+        a prompt-lookup step verifies drafts with the numbers plain decoding would give).
         Returns final-normed hidden states ``[len(keep), H]``.
         """
         cfg = self.cfg
@@ -101,7 +105,7 @@ class DecoderGraph:
             raise ContextError(f"sequence of {start + T} tokens exceeds the context of {state.context}")
         pos = np.arange(start, start + T, dtype=np.int64)
         h = np.ascontiguousarray(x0, dtype=np.float32)
-        ple = self._ple_inputs(h, ple_rows) if self.ple is not None else None
+        ple = self._ple_inputs(h, ple_rows, each) if self.ple is not None else None
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         groups = [_Group(state, slice(None), start)]
         rows = np.arange(T) if keep is None else np.asarray(keep, dtype=np.int64)
@@ -113,7 +117,7 @@ class DecoderGraph:
                 ple = ple[rows] if ple is not None else None
                 ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
                 rows = np.arange(len(rows))
-            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups)
+            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each)
             if capture is not None:
                 capture.append(h.copy())
         state.length = start + T

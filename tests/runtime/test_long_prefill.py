@@ -1,0 +1,75 @@
+"""Long prompts: chunked prefill and the blocked numba attention inside the engine, against
+transformers (float32, eager) on a prompt of many sliding windows, and against one-call prefill."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hf_oracle as H
+from conftest import random_ids
+from gemmalite.runtime import engine as engine_mod
+
+VOCAB = 512
+# E2B-like: multimodal layout, KV sharing, k_eq_v full layers, window 8 (the prompt spans 18 windows)
+CONFIG = dict(layout="conditional", seed=15, sliding_window=8, num_kv_shared_layers=2, attention_k_eq_v=True,
+              num_global_key_value_heads=1)
+PROMPT = random_ids(150, VOCAB, seed=7)
+LOGITS_ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, gl):
+    path = tmp_path_factory.mktemp("long_ckpt")
+    hf = H.make_gemma4_checkpoint(path, **CONFIG)
+    return hf, gl.load(path)
+
+
+@pytest.fixture(scope="module")
+def hf_ref(pair):
+    return H.hf_logits(pair[0], PROMPT)
+
+
+@pytest.mark.parametrize("chunk", [16, 37, 1000])
+def test_long_prompt_logits_match_transformers(pair, hf_ref, chunk, monkeypatch):
+    """Every position's logits, prefilled in chunks (and in one call), with the blocked attention
+    (forced: this float model's products use BLAS) and with the batched BLAS attention."""
+    _, model = pair
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", chunk)
+    for blas_free in (True, False):
+        monkeypatch.setattr(model.engine.graph, "_blas_free", blas_free)
+        got = model.logits(PROMPT)
+        assert got.shape == hf_ref.shape
+        np.testing.assert_allclose(got, hf_ref, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_chunked_prefill_then_decode_equals_transformers_greedy(pair, monkeypatch):
+    hf, model = pair
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 23)
+    monkeypatch.setattr(model.engine.graph, "_blas_free", True)
+    assert model.generate_tokens(PROMPT, max_new_tokens=12, temperature=0.0) == H.hf_greedy(hf, PROMPT, 12)
+
+
+def test_chunked_prefill_keeps_rows_in_order(pair, monkeypatch):
+    """``keep`` rows in any order, repeated, negative, in chunks that keep none of them."""
+    _, model = pair
+    eng = model.engine
+    keep = np.array([149, 3, 3, -1, 70, 0])
+    ref = eng.forward(eng.new_state(), np.array(PROMPT), keep=keep)
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 20)
+    state = eng.new_state()
+    got = eng.forward(state, np.array(PROMPT), keep=keep)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    assert state.length == len(PROMPT) and state.tokens == PROMPT
+
+
+def test_chunked_prefill_checks_the_context_first(pair, gl, monkeypatch, tmp_path):
+    """A prompt over the context fails before any chunk runs: the state is left as it was."""
+    _, model = pair
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 16)
+    eng = model.engine
+    state = eng.new_state()
+    eng.prefill(state, np.array(PROMPT[:10]))
+    state.context = 100
+    with pytest.raises(gl.ContextError):
+        eng.prefill(state, np.array(PROMPT[10:]))
+    assert state.length == 10 and state.tokens == PROMPT[:10]

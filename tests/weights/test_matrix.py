@@ -1,0 +1,58 @@
+"""Half-precision matrices used in place (`HalfMatrix`): every product path against float64
+math on the same bfloat16 / float16 values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gemmalite.weights.matrix as matrix
+from gemmalite.kernels import common
+from gemmalite.weights.matrix import BF16, HalfMatrix
+
+
+def _half(rows, cols, dtype, seed=0):
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w[0, :3] = [0.0, -0.0, 1e-8]  # zero, negative zero, a bf16 subnormal / f16 underflow
+    return w.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("t", [1, 3, common.FEW_ROWS + 1, 40])
+def test_half_matmul_equals_float64_on_the_same_values(dtype, t, monkeypatch):
+    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 72)  # prefill: several row blocks, the last ragged
+    w = _half(333, 72, dtype, seed=t)
+    m = HalfMatrix(w)
+    x = np.random.default_rng(100 + t).standard_normal((t, 72)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    got = m.matmul(x)
+    assert got.dtype == np.float32 and got.shape == (t, 333)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(m.rows([5, 0, 332]), w[[5, 0, 332]].astype(np.float32))
+    assert m.nbytes == 333 * 72 * 2
+
+
+def test_half_matrix_keeps_the_mapped_array(tmp_path):
+    """A memory-mapped bf16 weight is the matrix's storage: no copy, no float32 anywhere."""
+    w = _half(64, 32, BF16)
+    f = tmp_path / "w.bin"
+    w.view(np.uint16).tofile(f)
+    mm = np.memmap(f, dtype=BF16, mode="r", shape=w.shape)
+    m = HalfMatrix(mm)
+    assert np.shares_memory(m.w, mm) and m.w.dtype == BF16
+    np.testing.assert_allclose(m.matmul(np.ones((1, 32), np.float32))[0], w.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_half_matmul_rejects_wrong_width():
+    with pytest.raises(ValueError):
+        HalfMatrix(_half(8, 16, np.float16)).matmul(np.ones((1, 15), np.float32))
+
+
+def test_bf16_projections_stay_half(tmp_path, gl):
+    """A bf16 checkpoint loads with its projections as HalfMatrix views of the mapped files."""
+    import hf_oracle as H
+
+    H.make_gemma4_checkpoint(tmp_path, seed=3, dtype="bfloat16")
+    model = gl.load(tmp_path)
+    mats = [m for w in model.engine.graph.layers for m in w.matrices()]
+    assert mats and all(isinstance(m, HalfMatrix) and m.w.dtype == BF16 for m in mats)
+    assert all(isinstance(m.w, np.memmap) or isinstance(m.w.base, np.memmap) for m in mats)
