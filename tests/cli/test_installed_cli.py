@@ -105,8 +105,8 @@ def test_inspect(home, tiny):
     assert "family          gemma4" in out
     assert "KV-shared       2 (from layer 4)" in out
     assert "final softcap   30.0" in out
-    weights = out.split("weights ")[1].splitlines()[0]  # projections widened to float32, the tied head bf16
-    assert "bfloat16" in weights and "float32" in weights and "%" in weights
+    weights = out.split("weights ")[1].splitlines()[0]  # a bf16 checkpoint's weights are used in place
+    assert "bfloat16" in weights and "float32" not in weights
 
 
 def test_convert_bench_and_quant_mismatch(home, tiny):

@@ -284,12 +284,13 @@ def test_quantized_cosine(gentle_ckpt, tmp_path, quant, bound):
     out = convert(path, tmp_path / quant, quant, progress=False)
     conv = load_embedder(out)
     # the converted checkpoint holds exactly the weights quantizing on load makes (every array, bit
-    # for bit); the vectors then agree to float32 rounding (BLAS may sum in another order)
+    # for bit); the vectors then agree to float32 rounding (BLAS may sum in another order, and the
+    # two runs may get different thread counts on a busy machine: 3.8e-6 seen under the full suite)
     for a, b in zip(conv.graph.layers, emb.graph.layers):
         for ma, mb in zip(a.matrices(), b.matrices()):
             for part, arr in ma.tensors().items():
                 np.testing.assert_array_equal(arr, mb.tensors()[part])
-    np.testing.assert_allclose(conv.embed_ids(seqs), got, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(conv.embed_ids(seqs), got, rtol=1e-5, atol=2e-5)
     assert conv.prompts == emb.prompts and conv.embed("Hello").shape == (1, 48)
 
 
