@@ -113,7 +113,6 @@ class VisionTower:
         self.std = std
         self.embed = embed
         self.inv_freq = RopeSpec("default", cfg.rope_theta, cfg.head_dim // 2).inv_freq()
-        self._blas_free = not any(m.uses_blas for m in self.matrices())
 
     @property
     def text_hidden_size(self) -> int:
@@ -152,7 +151,9 @@ class VisionTower:
             q = rope2d(rms_norm(layer.q(h).reshape(n, nq, D), layer.q_norm, eps))
             k = rope2d(rms_norm(layer.k(h).reshape(n, kv, D), layer.k_norm, eps))
             v = rms_norm(layer.v(h).reshape(n, kv, D), None, eps)
-            a = attention(q, k, v, *everyone, None, 1.0, self._blas_free)
+            # an image's full attention over thousands of patches at a small head size runs ~4x
+            # faster in BLAS than in the blocked numba kernel (768x768 image, int8: 3.8 s vs 16 s)
+            a = attention(q, k, v, *everyone, None, 1.0, blas_free=False)
             x = x + rms_norm(layer.o(a), ln_post_attn, eps)
             h = rms_norm(x, ln_pre_ff, eps)
             m = layer.down(gelu_tanh_mul(layer.gate(h), layer.up(h)))
