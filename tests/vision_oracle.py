@@ -35,6 +35,22 @@ EG2_TEXT = dict(vocab_size=512, hidden_size=40, intermediate_size=64, num_hidden
                 max_position_embeddings=256, sliding_window=16)
 
 
+IMG, BOI, EOI = 60, 61, 62  # image / begin-of-image / end-of-image ids: unused ids of the tiny vocabulary
+
+
+def write_tokenizer_with_image_tokens(path) -> None:
+    """The tiny tokenizer (hf_oracle), with the image tokens at IMG / BOI / EOI (special, as in Gemma 4's)."""
+    hf_oracle.write_tiny_tokenizer(path)
+    f = Path(path) / "tokenizer.json"
+    t = json.loads(f.read_text())
+    for tid, text in ((IMG, "<|image|>"), (BOI, "<|image>"), (EOI, "<image|>")):
+        del t["model"]["vocab"][f"<unused{tid}>"]
+        t["model"]["vocab"][text] = tid
+        t["added_tokens"].append({"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                                  "normalized": False, "special": True})
+    f.write_text(json.dumps(t))
+
+
 @torch.no_grad()
 def randomize_vision_weights(modules, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)

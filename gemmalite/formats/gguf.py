@@ -105,10 +105,10 @@ class _Cursor:
         buf, size, pos, out = self.buf, self.size, self.pos, []
         length = _U64.unpack_from
         for _ in range(n):
-            if pos + 8 > size or pos + 8 + length(buf, pos)[0] > size:
+            n_bytes = length(buf, pos)[0] if pos + 8 <= size else size
+            if pos + 8 + n_bytes > size:
                 self.pos = pos
                 self.string(what)  # raises the truncation error, with its place
-            n_bytes = length(buf, pos)[0]
             pos += 8
             out.append(str(buf[pos:pos + n_bytes], "utf-8", "replace"))  # see `string`
             pos += n_bytes

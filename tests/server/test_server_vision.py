@@ -19,7 +19,7 @@ PIL = pytest.importorskip("PIL.Image")
 import hf_oracle  # noqa: E402
 import vision_oracle as vo  # noqa: E402
 
-IMG, BOI, EOI = 60, 61, 62  # unused ids of the tiny vocabulary
+IMG, BOI, EOI = vo.IMG, vo.BOI, vo.EOI
 MODEL_ID = "tiny-vision"
 QUESTION = "What is in this picture?"
 
@@ -62,15 +62,7 @@ def model(tmp_path_factory, gl):
     vo.randomize_vision_weights([hf.model.vision_tower, hf.model.embed_vision], 1)
     hf.save_pretrained(path, safe_serialization=True)
     (path / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": 70}}))
-    hf_oracle.write_tiny_tokenizer(path)
-    f = path / "tokenizer.json"
-    t = json.loads(f.read_text())
-    for tid, text in ((IMG, "<|image|>"), (BOI, "<|image>"), (EOI, "<image|>")):
-        del t["model"]["vocab"][f"<unused{tid}>"]
-        t["model"]["vocab"][text] = tid
-        t["added_tokens"].append({"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                                  "normalized": False, "special": True})
-    f.write_text(json.dumps(t))
+    vo.write_tokenizer_with_image_tokens(path)
     return gl.load(path, context=512)
 
 

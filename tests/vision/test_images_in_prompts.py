@@ -18,7 +18,7 @@ from gemmalite.runtime.sampling import SamplingParams
 
 PIL = pytest.importorskip("PIL.Image")
 
-IMG, BOI, EOI = 60, 61, 62  # unused ids of the tiny vocabulary
+IMG, BOI, EOI = vo.IMG, vo.BOI, vo.EOI
 SOFT = 70
 PROMPT = [2, 380, 391, IMG, 402, 377, 390, IMG, 415, 399]
 
@@ -128,19 +128,6 @@ def test_image_errors(ckpt, gl, tmp_path):
         gl.load(tmp_path / "text").logits(PROMPT, images=IMAGES)
 
 
-def _tokenizer_with_image_tokens(path) -> None:
-    """The tiny tokenizer, with the image tokens at IMG / BOI / EOI (special, as in Gemma 4's)."""
-    hf_oracle.write_tiny_tokenizer(path)
-    f = path / "tokenizer.json"
-    t = json.loads(f.read_text())
-    for tid, text in ((IMG, "<|image|>"), (BOI, "<|image>"), (EOI, "<image|>")):
-        del t["model"]["vocab"][f"<unused{tid}>"]
-        t["model"]["vocab"][text] = tid
-        t["added_tokens"].append({"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                                  "normalized": False, "special": True})
-    f.write_text(json.dumps(t))
-
-
 def test_chat_with_a_picture(ckpt, gl):
     """A chat turn with an image part: the template's <|image|> expanded as the processor does
     (its replace_image_token on the rendered text), greedy reply as transformers generates it."""
@@ -148,7 +135,7 @@ def test_chat_with_a_picture(ckpt, gl):
 
     path, hf = ckpt
     if not (path / "tokenizer.json").exists():
-        _tokenizer_with_image_tokens(path)
+        vo.write_tokenizer_with_image_tokens(path)
     messages = [{"role": "user", "content": [{"type": "image", "image": IMAGES[1]},
                                              {"type": "text", "text": "What is in this picture?"}]}]
     tok = AutoTokenizer.from_pretrained(path)
@@ -193,7 +180,7 @@ def test_cli_run_with_an_image(ckpt, gl, tmp_path, capsys):
 
     path, _ = ckpt
     if not (path / "tokenizer.json").exists():
-        _tokenizer_with_image_tokens(path)
+        vo.write_tokenizer_with_image_tokens(path)
     picture = tmp_path / "picture.png"
     IMAGES[1].save(picture)
     args = ["run", str(path), "--image", str(picture), "What is in this picture?", "--max-new-tokens", "6",
