@@ -15,7 +15,7 @@ import numpy as np
 from numba import literally, njit, prange
 
 from .common import h2f, nibbles
-from .simd import block_row_dot
+from .simd import block_rows_dot
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -323,15 +323,35 @@ def make_kernels(name: str) -> _Kernels:
 KERNELS = {name: make_kernels(name) for name in _KINDS}
 
 
+@njit(inline="always", cache=True)
+def _block_rows(raw, xq, xd, r, t, nt, out, q5):
+    if q5:
+        if nt == 4:
+            block_rows_dot(raw, xq, xd, r, t, out, 5, 4)
+        elif nt == 2:
+            block_rows_dot(raw, xq, xd, r, t, out, 5, 2)
+        else:
+            block_rows_dot(raw, xq, xd, r, t, out, 5, 1)
+    else:
+        if nt == 4:
+            block_rows_dot(raw, xq, xd, r, t, out, 8, 4)
+        elif nt == 2:
+            block_rows_dot(raw, xq, xd, r, t, out, 8, 2)
+        else:
+            block_rows_dot(raw, xq, xd, r, t, out, 8, 1)
+
+
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
     sequences) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as gemmalite's
     own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
-    all T rows, each row's result bit for bit its T=1 result."""
+    all T rows and each of its chunks widened once for up to 4 of them, each row's result bit for
+    bit its T=1 result."""
+    n_t = xq.shape[0]
     for r in prange(raw.shape[0]):
-        for t in range(xq.shape[0]):
-            if q5:
-                block_row_dot(raw, xq[t], xd[t], r, out[t], 5)
-            else:
-                block_row_dot(raw, xq[t], xd[t], r, out[t], 8)
+        t = 0
+        while t < n_t:
+            nt = 4 if n_t - t >= 4 else (2 if n_t - t >= 2 else 1)
+            _block_rows(raw, xq, xd, r, t, nt, out, q5)
+            t += nt
