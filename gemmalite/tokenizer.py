@@ -1,6 +1,7 @@
 """Tokenizer and chat template.
 
-Tokenization is the `tokenizers` library on the checkpoint's tokenizer.json. The chat
+Tokenization is the `tokenizers` library on the checkpoint's tokenizer.json, or (GGUF
+SentencePiece vocabularies) `formats.spm.SPMTokenizer`, which offers the same methods. The chat
 template is rendered with jinja2 the way transformers renders it (sandboxed environment,
 ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
 does not escape HTML, the special tokens as variables), so the prompt text is identical.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import jinja2
 import jinja2.ext
@@ -36,10 +37,21 @@ FALLBACK_TEMPLATES = {"gemma4": GEMMA4_FALLBACK_TEMPLATE, "gemma3": GEMMA3_FALLB
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
+class Backend(Protocol):
+    """The part of `tokenizers.Tokenizer` that `Tokenizer` uses (``encode(...).ids``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def id_to_token(self, tid: int) -> str | None: ...
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int: ...
+    def save(self, path: str) -> None: ...
+
+
 class Tokenizer:
     """Text <-> ids, plus the chat template. ``encode`` adds ``<bos>`` like transformers does."""
 
-    def __init__(self, tk: HFTokenizer, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+    def __init__(self, tk: HFTokenizer | Backend, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
                  add_bos: bool | None = None):
         self.tk = tk
         self.chat_template = chat_template  # the checkpoint's own, or None

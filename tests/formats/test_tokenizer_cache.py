@@ -1,4 +1,5 @@
-"""A GGUF file's tokenizer read back from gemmalite's cache is the tokenizer built from the file."""
+"""A BPE GGUF vocabulary's tokenizer read back from gemmalite's cache is the tokenizer built from
+the file; a SentencePiece one (the demo's) is built directly, with no cache."""
 from __future__ import annotations
 
 import os
@@ -20,10 +21,11 @@ def demo_path():
     return resolve("gemma3-270m")
 
 
-def test_cached_tokenizer_is_the_built_one(demo_path, tmp_path, monkeypatch):
+def test_cached_tokenizer_is_the_built_one(tmp_path, monkeypatch):
+    path = gt.gemma4_tokenizer_gguf_path()
     monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
-    meta = read_gguf(demo_path, load_tensors=False).metadata
-    key = gt.file_cache_key(demo_path)
+    meta = read_gguf(path, load_tensors=False).metadata
+    key = gt.file_cache_key(path)
     built = gt.tokenizer_from_gguf_metadata(meta, key)  # builds, then stores
     assert list((tmp_path / "tokenizers").glob(f"{key}.*")), "nothing was cached"
     cached = gt.tokenizer_from_gguf_metadata({}, key)  # metadata unused on a cache hit
@@ -44,14 +46,25 @@ def test_cache_key_follows_the_file(tmp_path):
     assert gt.file_cache_key(f) != k1
 
 
-def test_loading_a_gguf_twice_builds_its_tokenizer_once(demo_path, tmp_path, monkeypatch):
+def test_a_bpe_vocabulary_is_built_once(tmp_path, monkeypatch):
+    path = gt.gemma4_tokenizer_gguf_path()
+    meta = read_gguf(path, load_tensors=False).metadata
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
+    first = gt.tokenizer_from_gguf_metadata(meta, gt.file_cache_key(path))
+    monkeypatch.setattr(gt, "tokenizer_from_gguf", lambda meta: pytest.fail("built again instead of read from the cache"))
+    again = gt.tokenizer_from_gguf_metadata(meta, gt.file_cache_key(path))
+    assert again.encode(TEXTS[0]) == first.encode(TEXTS[0])
+
+
+def test_the_demo_loads_its_sentencepiece_tokenizer_without_a_cache(demo_path, tmp_path, monkeypatch):
     from gemmalite.formats import gguf_gemma
+    from gemmalite.formats.spm import SPMTokenizer
 
     monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
-    first = gguf_gemma.load_gguf_parts(demo_path)[2]
-    monkeypatch.setattr(gt, "tokenizer_from_gguf", lambda meta: pytest.fail("built again instead of read from the cache"))
-    again = gguf_gemma.load_gguf_parts(demo_path)[2]
-    assert again.encode(TEXTS[0]) == first.encode(TEXTS[0])
+    tok = gguf_gemma.load_gguf_parts(demo_path)[2]
+    assert isinstance(tok.tk, SPMTokenizer)
+    assert not (tmp_path / "tokenizers").exists()
+    assert tok.encode("Hello world") == [2, 9259, 1902]
 
 
 def test_string_arrays_read_like_single_strings(tmp_path):
