@@ -96,7 +96,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer | SPMTokenizer,
 def check_tokenizer_metadata(meta: dict[str, Any]) -> None:
     """TokenizerError naming the first malformed ``tokenizer.ggml.*`` key (a missing vocabulary too)."""
     tokens = meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, list) or not tokens or not _all_str(tokens):
         raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens list (no vocabulary)")
     n = len(tokens)
     if meta.get("tokenizer.ggml.model") not in ("llama", "gemma4"):
@@ -109,12 +109,26 @@ def check_tokenizer_metadata(meta: dict[str, Any]) -> None:
             raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} must be {n} numbers, one per token")
     merges = meta.get("tokenizer.ggml.merges")
     if meta.get("tokenizer.ggml.model") == "gemma4" and not (
-            isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+            isinstance(merges, list) and _all_str(merges)):
         raise TokenizerError("GGUF metadata tokenizer.ggml.merges must be a list of strings")
     for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
         v = meta.get(f"tokenizer.ggml.{key}")
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n):
             raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} = {v!r} is not a token id below {n}")
+
+
+def _all_str(items: list) -> bool:
+    return set(map(type, items)) <= {str}  # a vocabulary is 262k items: no Python-level loop
+
+
+def _indices(items: list[str], value: str) -> list[int]:
+    """Every position of ``value`` (list.index scans in C)."""
+    out: list[int] = []
+    try:
+        while True:
+            out.append(items.index(value, out[-1] + 1 if out else 0))
+    except ValueError:
+        return out
 
 
 def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +145,7 @@ def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
     if model == "gemma4":
         add_bos = True  # llama.cpp overrides it to true for the gemma4 pre-tokenizer (PR 21500)
     eos = tid("eos_token_id")
-    eog = sorted({i for i, t in enumerate(tokens) if t in _EOG_TEXTS} | ({eos} if eos is not None else set()))
+    eog = sorted({i for t in _EOG_TEXTS for i in _indices(tokens, t)} | ({eos} if eos is not None else set()))
     return {
         "model": model,
         "bos_token_id": tid("bos_token_id"),

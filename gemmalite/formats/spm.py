@@ -50,7 +50,9 @@ class SPMTokenizer:
                  add_space_prefix: bool = False, bos_id: int | None = None, eos_id: int | None = None,
                  add_bos: bool = True, add_eos: bool = False, unk_id: int | None = None):
         # llama.cpp renames empty tokens and, for duplicates, keeps the last id (token_to_id[word] = i)
-        self.tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        if "" in tokens:
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.tokens = tokens
         self.vocab = dict(zip(self.tokens, range(len(self.tokens))))
         self.scores: list[float] = np.asarray(scores, dtype=np.float32).tolist()
         self.types = np.asarray(types, dtype=np.int64)
