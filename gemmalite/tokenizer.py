@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Protocol
-
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-from tokenizers import Tokenizer as HFTokenizer
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from .errors import InputError, TokenizerError
+
+if TYPE_CHECKING:  # jinja2 and tokenizers load when first needed: a GGUF model's first token needs neither
+    import jinja2
+    from tokenizers import Tokenizer as HFTokenizer
 
 # Used when a checkpoint carries no chat template: the family's turn format.
 GEMMA4_FALLBACK_TEMPLATE = (
@@ -98,6 +97,8 @@ class Tokenizer:
         if self._template is None:
             self._template = compile_template(self.chat_template or self.fallback_template)
         tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        import jinja2
+
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=documents, **{**self.special_tokens, **kwargs})
@@ -148,6 +149,10 @@ def _is_byte_token(piece: str | None) -> bool:
 
 
 def compile_template(source: str) -> jinja2.Template:
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
 
@@ -177,6 +182,8 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
     path = folder / "tokenizer.json"
     if not path.exists():
         return None
+    from tokenizers import Tokenizer as HFTokenizer
+
     try:
         tk = HFTokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
@@ -233,6 +240,7 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
 def fallback_tokenizer() -> Tokenizer:
     """A small byte-level tokenizer with the Gemma special ids, for when no real vocabulary is at hand."""
     from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|turn>": 105, "<turn|>": 106}
     vocab |= {f"<unused{i}>": i for i in range(5, 105)}

@@ -24,17 +24,18 @@ import json
 import lzma
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-from tokenizers.models import BPE
 
 from ..errors import TokenizerError
 from ..settings import VERSION, cache_root
 from ..tokenizer import Tokenizer as GemmaTokenizer
 from .gguf import read_gguf
 from .spm import CONTROL, NORMAL, UNKNOWN, USER_DEFINED, SPMTokenizer
+
+if TYPE_CHECKING:  # tokenizers loads only for BPE vocabularies
+    from tokenizers import Tokenizer
 
 # llama.cpp marks these end-of-generation by their text (llama_vocab::impl::load)
 _EOG_TEXTS = ("<end_of_turn>", "<eos>", "<turn|>", "<|tool_response>")
@@ -70,6 +71,9 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer | SPMTokenizer,
         return SPMTokenizer(tokens, scores, types, add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
                             bos_id=info["bos_token_id"], eos_id=info["eos_token_id"], add_bos=info["add_bos"],
                             add_eos=info["add_eos"], unk_id=info["unk_token_id"]), info
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != n:  # duplicates: keep the first id
         vocab = {}
@@ -168,7 +172,7 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], cache_key: str | None = N
     tk, info = _cached(cache_key) if cache_key and not spm else (None, None)
     if tk is None:
         tk, info = tokenizer_from_gguf(meta)
-        if cache_key and isinstance(tk, Tokenizer):
+        if cache_key and not isinstance(tk, SPMTokenizer):
             _store(cache_key, tk, info)
     special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
                if info.get(k + "_token_id") is not None}
@@ -191,6 +195,8 @@ def _cache_paths(key: str) -> tuple[Path, Path]:
 
 
 def _cached(key: str) -> tuple[Tokenizer | None, dict | None]:
+    from tokenizers import Tokenizer
+
     tok_path, info_path = _cache_paths(key)
     try:
         return Tokenizer.from_file(str(tok_path)), json.loads(info_path.read_text())
