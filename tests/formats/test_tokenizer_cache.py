@@ -82,3 +82,33 @@ def test_string_arrays_read_like_single_strings(tmp_path):
     for cut in (len(raw) - 1, len(raw) - 5, 3):
         with pytest.raises(GGUFError, match="truncated"):
             _Cursor(raw[:cut], "x").strings(len(items), "s")
+
+
+def test_a_gguf_header_read_back_from_the_cache_is_the_parsed_one(tmp_path, monkeypatch):
+    """A vocabulary GGUF's parsed header is kept; reading it back gives the same metadata (arrays
+    with their dtypes) and tensor table, and a changed file is parsed again."""
+    import shutil
+
+    import numpy as np
+
+    from gemmalite.formats import gguf
+
+    src = tmp_path / "v.gguf"
+    shutil.copy(gt.gemma4_tokenizer_gguf_path(), src)
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path / "cache"))
+    parsed = read_gguf(src, load_tensors=False)
+    assert list((tmp_path / "cache" / "gguf").glob("*.header")), "nothing was cached"
+    monkeypatch.setattr(gguf, "_parse", lambda buf, path: pytest.fail("parsed again instead of read from the cache"))
+    cached = read_gguf(src, load_tensors=False)
+    assert cached.version == parsed.version and cached.tensor_info == parsed.tensor_info
+    assert cached.metadata.keys() == parsed.metadata.keys()
+    for k, v in parsed.metadata.items():
+        w = cached.metadata[k]
+        if isinstance(v, np.ndarray):
+            assert w.dtype == v.dtype and np.array_equal(w, v), k
+        else:
+            assert type(w) is type(v) and w == v, k
+    with open(src, "ab") as f:  # another file now: its header must be read from the file
+        f.write(b"\0" * 32)
+    with pytest.raises(pytest.fail.Exception, match="parsed again"):
+        read_gguf(src, load_tensors=False)
