@@ -56,12 +56,14 @@ def _bpe_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str
     return out
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer | SPMTokenizer, dict[str, Any]]:
+def tokenizer_from_gguf(meta: dict[str, Any], info: dict[str, Any] | None = None
+                        ) -> tuple[Tokenizer | SPMTokenizer, dict[str, Any]]:
     """Build the tokenizer a GGUF file's metadata describes (an `SPMTokenizer` for "llama"
     vocabularies, a `tokenizers.Tokenizer` for "gemma4"), plus facts the runtime needs:
     ``bos/eos/pad/unk_token_id``, ``add_bos``, ``add_eos``, ``eog_token_ids`` (llama.cpp's
-    end-of-generation set), ``chat_template`` and ``model`` ("llama" or "gemma4")."""
-    info = special_token_info(meta)
+    end-of-generation set), ``chat_template`` and ``model`` ("llama" or "gemma4"); ``info``: those
+    facts when the caller already has them from `special_token_info`."""
+    info = info or special_token_info(meta)
     model = info["model"]
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     n = len(tokens)
@@ -163,15 +165,18 @@ def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tokenizer_from_gguf_metadata(meta: dict[str, Any], cache_key: str | None = None) -> GemmaTokenizer:
+def tokenizer_from_gguf_metadata(meta: dict[str, Any], cache_key: str | None = None,
+                                 info: dict[str, Any] | None = None) -> GemmaTokenizer:
     """The gemmalite `Tokenizer` a GGUF file's (already parsed) metadata describes. A BPE
     ("gemma4") vocabulary with a ``cache_key`` (naming the file's identity) is kept as
     tokenizer.json in the user's cache folder: reading it back skips checking 500k merges. A
     SentencePiece ("llama") one needs no cache: it is a dict of the tokens."""
     spm = meta.get("tokenizer.ggml.model") == "llama"
-    tk, info = _cached(cache_key) if cache_key and not spm else (None, None)
-    if tk is None:
-        tk, info = tokenizer_from_gguf(meta)
+    tk, cached_info = _cached(cache_key) if cache_key and not spm else (None, None)
+    if tk is not None:
+        info = cached_info
+    else:
+        tk, info = tokenizer_from_gguf(meta, info)
         if cache_key and not isinstance(tk, SPMTokenizer):
             _store(cache_key, tk, info)
     special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
