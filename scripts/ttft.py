@@ -21,7 +21,7 @@ def since_start() -> float:
 
 
 pre = since_start()
-import gemmalite  # noqa: E402
+import gemmalite
 
 t1 = time.perf_counter()
 m = gemmalite.load("gemma3-270m")

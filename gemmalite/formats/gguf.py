@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..settings import VERSION, cache_root
 from ..kernels.ggml import GGML_TYPES, block_info, type_name
 from ..weights.ggml import GGMLMatrix, quantized_nbytes
+from ..settings import VERSION, cache_root
 from ..weights.matrix import Matrix
 
 GGUF_MAGIC = b"GGUF"

