@@ -27,8 +27,8 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..kernels.ggml import GGML_TYPES, block_info, type_name
-from ..weights.ggml import GGMLMatrix, quantized_nbytes
 from ..settings import VERSION, cache_root
+from ..weights.ggml import GGMLMatrix, quantized_nbytes
 from ..weights.matrix import Matrix
 
 GGUF_MAGIC = b"GGUF"
