@@ -60,7 +60,17 @@ def _cpu_key() -> str:
 
 
 def _numba_version() -> str:
+    """numba's installed version, from its dist-info folder name (importlib.metadata costs ~20 ms
+    of imports at every start; it is the fallback)."""
     try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("numba")
+        if spec is not None and spec.origin:
+            site = Path(spec.origin).parent.parent
+            found = [p.name[len("numba-"):-len(".dist-info")] for p in site.glob("numba-*.dist-info")]
+            if len(found) == 1:
+                return found[0]
         from importlib.metadata import version
 
         return version("numba")
