@@ -329,9 +329,15 @@ def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     sequences) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as gemmalite's
     own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
     all T rows, each row's result bit for bit its T=1 result."""
+    t_all = xq.shape[0]
     for r in prange(raw.shape[0]):
-        for t in range(xq.shape[0]):
-            if q5:
-                block_row_dot(raw, xq[t], xd[t], r, out[t], 5)
+        for t0 in range(0, t_all, 2):
+            if t0 + 2 <= t_all:
+                if q5:
+                    block_row_dot(raw, xq, xd, r, t0, out, 5, 2)
+                else:
+                    block_row_dot(raw, xq, xd, r, t0, out, 8, 2)
+            elif q5:
+                block_row_dot(raw, xq, xd, r, t0, out, 5, 1)
             else:
-                block_row_dot(raw, xq[t], xd[t], r, out[t], 8)
+                block_row_dot(raw, xq, xd, r, t0, out, 8, 1)

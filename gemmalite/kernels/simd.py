@@ -107,112 +107,121 @@ def _open_loop(builder, name: str):
 GGML_BLOCK = {"q8_0": 34, "q5_0": 22}  # bytes per 32 values: f16 scale, [4 bytes high bits], values
 
 
-def _rows_dot_codegen(group: int, nrows: int, fmt: str):
-    """IR for ``out[r0 + i] = dot(row r0 + i)``, ``i < nrows``, over groups of ``group`` values.
+def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
+    """IR for ``out[t0 + j, r0 + i] = dot(row r0 + i, x[t0 + j])``, ``i < nrows``, ``j < ntok``,
+    over groups of ``group`` values.
 
-    Per group: exact int32 sums of weight * int16 activation with ``vpmaddwd``, converted once
-    to float32 and scaled by ``xd[g]`` (int4: also by the group's float16 weight scale) into
-    eight float32 lanes per row, summed at the end. Several rows share each load of x (with
-    rows of 12288 values x no longer sits in L1, and re-reading it per row costs bandwidth).
-    ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, out)``), "int8" (``(q, xq, xd,
-    r0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, out)``):
+    Per group and (row, token): exact int32 sums of weight * int16 activation with ``vpmaddwd``,
+    converted once to float32 and scaled by the token's ``xd[t, g]`` (int4 and GGML blocks: times
+    the group's float16 weight scale) into eight float32 lanes, summed at the end. A group's
+    weights are loaded and widened to int16 once for the ``ntok`` tokens, and each token's
+    activations once for the ``nrows`` rows: a batch of sequences costs little more compute
+    than one. The float work of every (row, token) is the same sequence whatever the tile
+    (integer sums are exact in any order), so each output is bit for bit its 1 x 1 result.
+    ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, t0, out)``), "int8" (``(q, xq, xd,
+    r0, t0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, t0, out)``):
     "q8_0" (float16 scale, 32 int8) or "q5_0" (float16 scale, 32 high bits, 16 bytes of low
     nibbles; value j = nibble | high bit << 4, minus 16; j and j + 16 share a byte).
+    ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, out]``.
     """
     int4 = fmt == "int4"
+    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    i16 = lambda v: ir.Constant(_vec(_I16, 16), [v] * 16)  # noqa: E731
+
     def codegen(context, builder, signature, args):
         if int4:
-            pty, sty, qty, dty, _, oty = signature.args
+            pty, sty, qty, dty, _, _, oty = signature.args
             wa = context.make_array(pty)(context, builder, args[0])
             sa = context.make_array(sty)(context, builder, args[1])
             ng = cgutils.unpack_tuple(builder, sa.shape)[1]
             args = [args[0], *args[2:]]
         else:
-            pty, qty, dty, _, oty = signature.args
+            pty, qty, dty, _, _, oty = signature.args
             wa = context.make_array(pty)(context, builder, args[0])
             ng = builder.udiv(cgutils.unpack_tuple(builder, wa.shape)[1],
                               ir.Constant(_I64, GGML_BLOCK.get(fmt, group)))
-        xq = _data(context, builder, qty, args[1])
-        xd = _data(context, builder, dty, args[2])
-        r0 = args[3]
-        out = _data(context, builder, oty, args[4])
+        xqa = context.make_array(qty)(context, builder, args[1])
+        xda = context.make_array(dty)(context, builder, args[2])
+        oa = context.make_array(oty)(context, builder, args[5])
+        r0, t0 = args[3], args[4]
         row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
+        x_len = cgutils.unpack_tuple(builder, xqa.shape)[1]
+        xd_len = cgutils.unpack_tuple(builder, xda.shape)[1]
+        out_len = cgutils.unpack_tuple(builder, oa.shape)[1]
         pmadd = _pmadd(builder)
-        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
         rows = [builder.add(r0, c64(i)) for i in range(nrows)]
+        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
         wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
+        xrow = [builder.gep(xqa.data, [builder.mul(t, x_len)], inbounds=True) for t in toks]
+        drow = [builder.gep(xda.data, [builder.mul(t, xd_len)], inbounds=True) for t in toks]
         if int4:
             srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
         entry, head, body, done = _open_loop(builder, "rowsdot")
         g = builder.phi(_I64)
         g.add_incoming(c64(0), entry)
-        accs = []
-        for _ in range(nrows):
-            acc = builder.phi(_vec(_F32, 8))
-            acc.add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
-            accs.append(acc)
+        accs = {}
+        for i in range(nrows):
+            for j in range(ntok):
+                accs[i, j] = builder.phi(_vec(_F32, 8))
+                accs[i, j].add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
         builder.cbranch(builder.icmp_signed("<", g, ng), body, done)
 
         builder.position_at_end(body)
         xbase = builder.mul(g, c64(group))
-        xs = [_load_vec(builder, xq, builder.add(xbase, c64(16 * j)), _vec(_I16, 16))
-              for j in range(group // 16)]
+        xs = [[_load_vec(builder, x, builder.add(xbase, c64(16 * c)), _vec(_I16, 16)) for c in range(group // 16)]
+              for x in xrow]
+        xdg = [builder.load(builder.gep(d, [g], inbounds=True)) for d in drow]
 
-        def int8_group(ptr, start):
-            """int32 lane sums of ``group`` int8 weights from ``ptr[start:]`` times the group's x."""
-            isum = None
-            for c in range(group // 16):
-                b = _load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16))
-                s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
-                isum = s if isum is None else builder.add(isum, s)
-            return isum
+        def int8_chunks(ptr, start):
+            """The group's int8 weights from ``ptr[start:]``, widened: (int16 x 16, x chunk) pairs."""
+            return [(builder.sext(_load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16)),
+                                  _vec(_I16, 16)), c) for c in range(group // 16)]
 
-        xdg = builder.load(builder.gep(xd, [g], inbounds=True))
         for i in range(nrows):
-            isum = None
+            scale = None  # the group's float16 weight scale (int4, GGML), as float32
             if int4:  # byte j of a group: value j (low nibble) and value j + group/2 (high)
+                ws = []
                 for c in range(group // 32):
                     b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, c64(group // 2)), c64(16 * c)),
                                   _vec(_I8, 16))
                     w = builder.zext(b, _vec(_I16, 16))
-                    lo = builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16))
-                    hi = builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16))
-                    s = builder.add(builder.call(pmadd, [lo, xs[c]]),
-                                    builder.call(pmadd, [hi, xs[c + group // 32]]))
-                    isum = s if isum is None else builder.add(isum, s)
-                d = builder.fmul(half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True))), xdg)
+                    ws += [(builder.and_(w, i16(15)), c), (builder.lshr(w, i16(4)), c + group // 32)]
+                scale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)))
             elif fmt == "int8":
-                isum = int8_group(wrow[i], xbase)
-                d = xdg
+                ws = int8_chunks(wrow[i], xbase)
             else:  # GGML block: float16 scale first
                 blk = builder.gep(wrow[i], [builder.mul(g, c64(GGML_BLOCK[fmt]))], inbounds=True)
-                half = builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1)
-                d = builder.fmul(half_to_f32_ir(builder, half), xdg)
+                scale = half_to_f32_ir(builder, builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1))
                 if fmt == "q8_0":
-                    isum = int8_group(blk, c64(2))
+                    ws = int8_chunks(blk, c64(2))
                 else:
                     qh = builder.load(builder.bitcast(builder.gep(blk, [c64(2)], inbounds=True),
                                                       _I32.as_pointer()), align=1)
                     qh = _splat(builder, qh, 16)
                     w = builder.zext(_load_vec(builder, blk, c64(6), _vec(_I8, 16)), _vec(_I16, 16))
-                    nib = (builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16)),
-                           builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16)))
+                    nib = (builder.and_(w, i16(15)), builder.lshr(w, i16(4)))
+                    ws = []
                     for c in range(2):
                         bit = builder.and_(builder.lshr(qh, ir.Constant(_vec(_I32, 16), list(range(16 * c, 16 * c + 16)))),
                                            ir.Constant(_vec(_I32, 16), [1] * 16))
-                        hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), ir.Constant(_vec(_I16, 16), [4] * 16))
-                        v = builder.sub(builder.or_(nib[c], hi), ir.Constant(_vec(_I16, 16), [16] * 16))
-                        s = builder.call(pmadd, [v, xs[c]])
-                        isum = s if isum is None else builder.add(isum, s)
-            accs[i].add_incoming(
-                builder.fadd(accs[i], builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8))),
-                body)
+                        hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), i16(4))
+                        ws.append((builder.sub(builder.or_(nib[c], hi), i16(16)), c))
+            for j in range(ntok):
+                isum = None
+                for w, c in ws:
+                    s = builder.call(pmadd, [w, xs[j][c]])
+                    isum = s if isum is None else builder.add(isum, s)
+                d = xdg[j] if scale is None else builder.fmul(scale, xdg[j])
+                accs[i, j].add_incoming(
+                    builder.fadd(accs[i, j], builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8))),
+                    body)
         g.add_incoming(builder.add(g, c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
-        for r, acc in zip(rows, accs):
-            builder.store(_hsum(builder, acc), builder.gep(out, [r], inbounds=True))
+        for (i, j), acc in accs.items():
+            at = builder.add(builder.mul(toks[j], out_len), rows[i])
+            builder.store(_hsum(builder, acc), builder.gep(oa.data, [at], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
@@ -301,32 +310,34 @@ def _first_args(inner, n: int):
 
 
 @intrinsic
-def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, out, group, nrows):
-    """``out[r] = sum_g f16(scales[r, g]) * xd[g] * sum_i n[r, g, i] * xq[g*G + i]`` for the
-    ``nrows`` rows ``r0 .. r0 + nrows - 1`` of an int4 matrix (no ``mins`` term).
+def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, t0, out, group, nrows, ntok):
+    """``out[t, r] = sum_g f16(scales[r, g]) * xd[t, g] * sum_i n[r, g, i] * xq[t, g*G + i]`` for
+    the ``nrows`` rows ``r0 ..`` of an int4 matrix and the ``ntok`` tokens ``t0 ..`` (no ``mins``
+    term).
 
     ``packed`` uint8 ``[out, in//2]`` (gemmalite.weights.quant nibble order), ``scales`` uint16 float16
-    bits ``[out, in//G]``, ``xq`` int16 ``[in]``, ``xd`` float32 ``[in//G]``, ``out`` float32
-    ``[out]``; all C-contiguous. ``group`` (32 or 64) and ``nrows`` must be compile-time
-    literals (the unrolling depends on them). A group's products are summed exactly in int32
-    (15 * 32767 * 64 < 2**31), then scaled in float32.
+    bits ``[out, in//G]``, ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in//G]``, ``out`` float32
+    ``[T, out]``; all C-contiguous. ``group`` (32 or 64), ``nrows`` and ``ntok`` must be
+    compile-time literals (the unrolling depends on them). A group's products are summed exactly
+    in int32 (15 * 32767 * 64 < 2**31), then scaled in float32.
     """
-    if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9))):
+    if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, "int4")
-    return types.void(packed, scales, xq, xd, r0, out, group, nrows), _first_args(inner, 6)
+    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, ntok.literal_value, "int4")
+    return types.void(packed, scales, xq, xd, r0, t0, out, group, nrows, ntok), _first_args(inner, 7)
 
 
 @intrinsic
-def int8_rows_dot(typingctx, q, xq, xd, r0, out, nrows):
-    """``out[r] = sum_g xd[g] * sum_i q[r, 32g + i] * xq[32g + i]`` for rows ``r0 ..
+def int8_rows_dot(typingctx, q, xq, xd, r0, t0, out, nrows, ntok):
+    """``out[t, r] = sum_g xd[t, g] * sum_i q[r, 32g + i] * xq[t, 32g + i]`` for rows ``r0 ..
     r0 + nrows - 1`` of an int8 matrix ``q [out, in]`` (in a multiple of 32; the caller applies
-    the row scale). ``xq`` int16 ``[in]``, ``xd`` float32 ``[in//32]``; ``nrows`` a literal.
+    the row scale) and tokens ``t0 .. t0 + ntok - 1``. ``xq`` int16 ``[T, in]``, ``xd`` float32
+    ``[T, in//32]``, ``out`` float32 ``[T, out]``; ``nrows``, ``ntok`` literals.
     A group's products are summed exactly in int32 (127 * 32767 * 32 < 2**31)."""
-    if not _literal(nrows, range(1, 9)):
+    if not (_literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(32, nrows.literal_value, "int8")
-    return types.void(q, xq, xd, r0, out, nrows), _first_args(inner, 5)
+    inner = _rows_dot_codegen(32, nrows.literal_value, ntok.literal_value, "int8")
+    return types.void(q, xq, xd, r0, t0, out, nrows, ntok), _first_args(inner, 6)
 
 
 @intrinsic
@@ -341,11 +352,12 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
 
 
 @intrinsic
-def block_row_dot(typingctx, raw, xq, xd, r0, out, bits):
-    """``out[r] = sum_g f16(d[r, g]) * xd[g] * sum_i w[r, g, i] * xq[32g + i]`` for row ``r0`` of a
-    GGML matrix stored as raw blocks of 32 values (``raw`` uint8 ``[rows, in // 32 * block]``):
-    ``bits`` 8 for Q8_0, 5 for Q5_0 (a literal). ``xq`` int16 ``[in]``, ``xd`` float32 ``[in // 32]``."""
-    if not _literal(bits, (5, 8)):
+def block_row_dot(typingctx, raw, xq, xd, r0, t0, out, bits, ntok):
+    """``out[t, r] = sum_g f16(d[r, g]) * xd[t, g] * sum_i w[r, g, i] * xq[t, 32g + i]`` for row
+    ``r0`` of a GGML matrix stored as raw blocks of 32 values (``raw`` uint8 ``[rows, in // 32 *
+    block]``) and tokens ``t0 .. t0 + ntok - 1``: ``bits`` 8 for Q8_0, 5 for Q5_0 (literals, as
+    ``ntok``). ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // 32]``, ``out`` ``[T, rows]``."""
+    if not (_literal(bits, (5, 8)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(32, 1, "q8_0" if bits.literal_value == 8 else "q5_0")
-    return types.void(raw, xq, xd, r0, out, bits), _first_args(inner, 5)
+    inner = _rows_dot_codegen(32, 1, ntok.literal_value, "q8_0" if bits.literal_value == 8 else "q5_0")
+    return types.void(raw, xq, xd, r0, t0, out, bits, ntok), _first_args(inner, 6)
