@@ -77,11 +77,26 @@ def _splat(builder, x, n):
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
+# Float arithmetic here is exactly as written, whatever the calling kernel's ``fastmath``: numba's
+# fastmath pass flags only instructions without flags, so ours carry "nsz" (which permits neither
+# reassociation nor contraction), and the accumulation is an explicit FMA. Otherwise LLVM may
+# contract and reorder each tile shape its own way, and a row's result would depend on which
+# rows it was computed with.
+_EXACT = ("nsz",)
+
+
+def _fma(builder, a, b, c):
+    """``a * b + c`` rounded once (``llvm.fma``), on float vectors."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.v{a.type.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
 def _hsum(builder, v):
     """Sum of the lanes of a float vector (once per output value, so a plain chain)."""
     total = builder.extract_element(v, ir.Constant(_I32, 0))
     for lane in range(1, v.type.count):
-        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, lane)))
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, lane)), flags=_EXACT)
     return total
 
 
@@ -113,7 +128,7 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
 
     Per group and (row, token): exact int32 sums of weight * int16 activation with ``vpmaddwd``,
     converted once to float32 and scaled by the token's ``xd[t, g]`` (int4 and GGML blocks: times
-    the group's float16 weight scale) into eight float32 lanes, summed at the end. A group's
+    the group's float16 weight scale) into eight float32 lanes (one FMA), summed at the end. A group's
     weights are loaded and widened to int16 once for the ``ntok`` tokens, and each token's
     activations once for the ``nrows`` rows: a batch of sequences costs little more compute
     than one. The float work of every (row, token) is the same sequence whatever the tile
@@ -211,10 +226,9 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 for w, c in ws:
                     s = builder.call(pmadd, [w, xs[j][c]])
                     isum = s if isum is None else builder.add(isum, s)
-                d = xdg[j] if scale is None else builder.fmul(scale, xdg[j])
+                d = xdg[j] if scale is None else builder.fmul(scale, xdg[j], flags=_EXACT)
                 accs[i, j].add_incoming(
-                    builder.fadd(accs[i, j], builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8))),
-                    body)
+                    _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8), accs[i, j]), body)
         g.add_incoming(builder.add(g, c64(1)), body)
         builder.branch(head)
 
@@ -283,8 +297,7 @@ def _tile_dot_codegen(rt: int, tt: int):
         for j in range(tt):
             d = _splat(builder, builder.load(builder.gep(drow[j], [kb], inbounds=True)), 8)
             for i in range(rt):
-                facc[i, j].add_incoming(
-                    builder.fadd(facc[i, j], builder.fmul(builder.sitofp(acc[i, j], _vec(_F32, 8)), d)), body)
+                facc[i, j].add_incoming(_fma(builder, builder.sitofp(acc[i, j], _vec(_F32, 8)), d, facc[i, j]), body)
         kb.add_incoming(builder.add(kb, c64(1)), body)
         builder.branch(head)
 

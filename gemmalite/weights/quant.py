@@ -115,6 +115,11 @@ class Int8Matrix(_Quantized):
         """Prefill takes the integer tiles where they apply, else dequantize + BLAS."""
         return not (common.HAVE_AVX2 and self.shape[1] % TILE_BLOCK == 0)
 
+    @property
+    def independent_rows(self) -> bool:
+        """The integer tiles round and sum each row of x on its own."""
+        return not self.uses_blas
+
     @classmethod
     def quantize(cls, w: np.ndarray) -> "Int8Matrix":
         """Quantize a float32/bfloat16/float16 ``[out, in]`` array, QUANT_BLOCK rows at a time."""
