@@ -6,7 +6,7 @@ K/V writes, norms/RoPE/GELU, the LM head, softcap, row lookups) while ``Engine.d
 steps B sequences greedily, then prints ms per step per phase for each B, plus sampling
 (one `Sampler` call per row, as the scheduler does) and the rest (Python, thread sync).
 
-    python scripts/profile_batch.py MODEL [--batches 1,2,4,8] [--steps 6] [--threads 2]
+    python scripts/profile_batch.py MODEL [--batches 1,2,4,8] [--steps 6] [--threads 2] [--prefill]
 """
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from gemmalite.models.gemma import graph as graph_mod
 from gemmalite.runtime import engine as engine_mod
 from gemmalite.runtime.sampling import Sampler, SamplingParams
 from gemmalite.weights import quant
-import os
-quant.LONG_ROW_SIMD = int(os.environ.get("LRS", quant.LONG_ROW_SIMD))
 
 T: dict = collections.defaultdict(float)
 depth = [0]
@@ -40,6 +38,12 @@ def timer(name, fn):
     return wrapped
 
 
+def _timed(fn, arg) -> float:
+    t = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", action="store_true", help="also time the prompts' prefill, solo and together")
     a = ap.parse_args()
     m = gemmalite.load(a.model, threads=a.threads)
     eng = m.engine
@@ -95,6 +100,13 @@ def main() -> None:
         r["STEP"] = total
         r["tok/s"] = B / total
         rows[B] = r
+    if a.prefill:  # the same prompts prefilled one by one, then together (Engine.prefill_many)
+        B = max(rows)
+        prompts = [rng.integers(1000, m.config.vocab_size, a.prompt) for _ in range(B)]
+        for label, run in (("solo", lambda ss: [eng.logits(eng.prefill(s, p)) for s, p in zip(ss, prompts)]),
+                           ("together", lambda ss: eng.logits(eng.prefill_many(ss, prompts), each=True))):
+            best = min(_timed(run, [eng.new_state() for _ in prompts]) for _ in range(2))
+            print(f"prefill {B} x {a.prompt} tokens {label}: {best * 1e3:.0f} ms")
     keys = sorted({k for r in rows.values() for k in r}, key=lambda k: -rows[max(rows)].get(k, 0))
     for k in keys:
         fmt = "{:9.2f}" if k == "tok/s" else "{:9.1f}"
