@@ -60,10 +60,10 @@ __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
 LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
-LONG_ROW_SIMD = 8192  # same for the int16-activation kernels at T = 1 (measured: only the 12288-wide down
-# projections gain). Several rows (a batch of sequences) always take tiles of 4 weight rows x 4 activation
-# rows: the products are then bound by the 16-bit multiply-adds, and a tile shares each weight's widening
-# and each activation load (2x the multiply rate of 1-row tasks at T = 8).
+LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections
+# gain while the weight stream bounds the step). Several activation rows (a batch of sequences) go in
+# tiles of up to 4 of them per weight row, which widen each weight once and sum each row's groups on
+# independent chains.
 
 
 def _as_f32_block(w: np.ndarray) -> np.ndarray:
@@ -310,9 +310,15 @@ class Int4Matrix(_Quantized):
         return f"Int4Matrix{self.shape}(group={self.group})"
 
 
+FOUR_ROW_TILES = 8  # from this many activation rows on (the 16-bit multiply-adds bound the step, not the
+# weight stream), tiles of 4 weight rows, which share each activation load. Measured on E2B, decode_batch
+# step ms with 4-row tiles from 2 rows on / from 4 / never: B=2 152/102/105, B=4 167/175/145,
+# B=8 285/287/297 (fewer, scattered streams read the weights faster while that bounds the step).
+
+
 def _rows_per_task(t: int, k: int) -> int:
     """Weight rows per task of the int16-activation kernels (see LONG_ROW_SIMD)."""
-    return 4 if t > 1 or k >= LONG_ROW_SIMD else 1
+    return 4 if t >= FOUR_ROW_TILES or k >= LONG_ROW_SIMD else 1
 
 
 def _check_group(k: int, group: int) -> None:
