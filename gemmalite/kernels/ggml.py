@@ -16,7 +16,7 @@ from numba import literally, njit, prange, types
 from numba.extending import overload
 
 from .common import h2f, nibbles
-from .simd import block_rows_dot
+from .simd import block_row_dot
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -336,18 +336,18 @@ KERNELS = {name: make_kernels(name) for name in _KINDS}
 def _block_rows(raw, xq, xd, r, t, nt, out, q5):
     if q5:
         if nt == 4:
-            block_rows_dot(raw, xq, xd, r, t, out, 5, 4)
+            block_row_dot(raw, xq, xd, r, t, out, 5, 4)
         elif nt == 2:
-            block_rows_dot(raw, xq, xd, r, t, out, 5, 2)
+            block_row_dot(raw, xq, xd, r, t, out, 5, 2)
         else:
-            block_rows_dot(raw, xq, xd, r, t, out, 5, 1)
+            block_row_dot(raw, xq, xd, r, t, out, 5, 1)
     else:
         if nt == 4:
-            block_rows_dot(raw, xq, xd, r, t, out, 8, 4)
+            block_row_dot(raw, xq, xd, r, t, out, 8, 4)
         elif nt == 2:
-            block_rows_dot(raw, xq, xd, r, t, out, 8, 2)
+            block_row_dot(raw, xq, xd, r, t, out, 8, 2)
         else:
-            block_rows_dot(raw, xq, xd, r, t, out, 8, 1)
+            block_row_dot(raw, xq, xd, r, t, out, 8, 1)
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from .common import half_to_f32_ir
 
 __all__ = ["int16_activation_rows", "round_int16", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
-           "block_rows_dot", "TILE_BLOCK", "TOKENS"]
+           "block_row_dot", "TILE_BLOCK"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
@@ -77,11 +77,26 @@ def _splat(builder, x, n):
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
+# Float arithmetic here is exactly as written, whatever the calling kernel's ``fastmath``: numba's
+# fastmath pass flags only instructions without flags, so ours carry "nsz" (which permits neither
+# reassociation nor contraction), and the accumulation is an explicit FMA. Otherwise LLVM may
+# contract and reorder each tile shape its own way, and a row's result would depend on which
+# rows it was computed with.
+_EXACT = ("nsz",)
+
+
+def _fma(builder, a, b, c):
+    """``a * b + c`` rounded once (``llvm.fma``), on float vectors."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fma.v{a.type.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
 def _hsum(builder, v):
     """Sum of the lanes of a float vector (once per output value, so a plain chain)."""
     total = builder.extract_element(v, ir.Constant(_I32, 0))
     for lane in range(1, v.type.count):
-        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, lane)))
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(_I32, lane)), flags=_EXACT)
     return total
 
 
@@ -107,23 +122,26 @@ def _open_loop(builder, name: str):
 GGML_BLOCK = {"q8_0": 34, "q5_0": 22}  # bytes per 32 values: f16 scale, [4 bytes high bits], values
 
 
-def _rows_dot_codegen(group: int, nrows: int, fmt: str, ntok: int):
-    """IR for ``out[t0 + j, r0 + i] = dot(weight row r0 + i, x row t0 + j)``, ``i < nrows``,
-    ``j < ntok``, over groups of ``group`` values.
+def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
+    """IR for ``out[t0 + j, r0 + i] = dot(row r0 + i, x[t0 + j])``, ``i < nrows``, ``j < ntok``,
+    over groups of ``group`` values.
 
-    Per group: exact int32 sums of weight * int16 activation with ``vpmaddwd``, converted once
-    to float32 and scaled by ``xd[t, g]`` (int4, GGML: also by the group's float16 weight scale)
-    into eight float32 lanes per (row, token), summed at the end. Each weight chunk is loaded
-    (and widened) once for the ``ntok`` tokens and each x chunk once for the ``nrows`` rows; a
-    (row, token) pair goes through the same operations in the same order whatever ``nrows`` and
-    ``ntok`` are, so every output is bit for bit its one-row, one-token value.
+    Per group and (row, token): exact int32 sums of weight * int16 activation with ``vpmaddwd``,
+    converted once to float32 and scaled by the token's ``xd[t, g]`` (int4 and GGML blocks: times
+    the group's float16 weight scale) into eight float32 lanes (one FMA), summed at the end. A group's
+    weights are loaded and widened to int16 once for the ``ntok`` tokens, and each token's
+    activations once for the ``nrows`` rows: a batch of sequences costs little more compute
+    than one. The float work of every (row, token) is the same sequence whatever the tile
+    (integer sums are exact in any order), so each output is bit for bit its 1 x 1 result.
     ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, t0, out)``), "int8" (``(q, xq, xd,
     r0, t0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, t0, out)``):
     "q8_0" (float16 scale, 32 int8) or "q5_0" (float16 scale, 32 high bits, 16 bytes of low
     nibbles; value j = nibble | high bit << 4, minus 16; j and j + 16 share a byte).
-    ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, rows]``.
+    ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, out]``.
     """
     int4 = fmt == "int4"
+    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    i16 = lambda v: ir.Constant(_vec(_I16, 16), [v] * 16)  # noqa: E731
 
     def codegen(context, builder, signature, args):
         if int4:
@@ -137,22 +155,20 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str, ntok: int):
             wa = context.make_array(pty)(context, builder, args[0])
             ng = builder.udiv(cgutils.unpack_tuple(builder, wa.shape)[1],
                               ir.Constant(_I64, GGML_BLOCK.get(fmt, group)))
-        xa = context.make_array(qty)(context, builder, args[1])
-        da = context.make_array(dty)(context, builder, args[2])
+        xqa = context.make_array(qty)(context, builder, args[1])
+        xda = context.make_array(dty)(context, builder, args[2])
         oa = context.make_array(oty)(context, builder, args[5])
         r0, t0 = args[3], args[4]
-        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-        k = cgutils.unpack_tuple(builder, xa.shape)[1]
-        nxd = cgutils.unpack_tuple(builder, da.shape)[1]
-        nout = cgutils.unpack_tuple(builder, oa.shape)[1]
-        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
-        xq = [builder.gep(xa.data, [builder.mul(t, k)], inbounds=True) for t in toks]
-        xd = [builder.gep(da.data, [builder.mul(t, nxd)], inbounds=True) for t in toks]
-        out = [builder.gep(oa.data, [builder.mul(t, nout)], inbounds=True) for t in toks]
         row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
+        x_len = cgutils.unpack_tuple(builder, xqa.shape)[1]
+        xd_len = cgutils.unpack_tuple(builder, xda.shape)[1]
+        out_len = cgutils.unpack_tuple(builder, oa.shape)[1]
         pmadd = _pmadd(builder)
         rows = [builder.add(r0, c64(i)) for i in range(nrows)]
+        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
         wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
+        xrow = [builder.gep(xqa.data, [builder.mul(t, x_len)], inbounds=True) for t in toks]
+        drow = [builder.gep(xda.data, [builder.mul(t, xd_len)], inbounds=True) for t in toks]
         if int4:
             srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
         entry, head, body, done = _open_loop(builder, "rowsdot")
@@ -167,78 +183,59 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str, ntok: int):
 
         builder.position_at_end(body)
         xbase = builder.mul(g, c64(group))
-        xs = [[_load_vec(builder, xq[j], builder.add(xbase, c64(16 * c)), _vec(_I16, 16))
-               for c in range(group // 16)] for j in range(ntok)]
-        xdg = [builder.load(builder.gep(xd[j], [g], inbounds=True)) for j in range(ntok)]
-
-        def sums(chunks):
-            """Per token: the int32 lane sums of the weight chunks (int16 vectors, one per x chunk)."""
-            out_ = []
-            for j in range(ntok):
-                isum = None
-                for c, w in enumerate(chunks):
-                    s = builder.call(pmadd, [w, xs[j][c]])
-                    isum = s if isum is None else builder.add(isum, s)
-                out_.append(isum)
-            return out_
+        xs = [[_load_vec(builder, x, builder.add(xbase, c64(16 * c)), _vec(_I16, 16)) for c in range(group // 16)]
+              for x in xrow]
+        xdg = [builder.load(builder.gep(d, [g], inbounds=True)) for d in drow]
 
         def int8_chunks(ptr, start):
-            return [builder.sext(_load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16)),
-                                 _vec(_I16, 16)) for c in range(group // 16)]
+            """The group's int8 weights from ``ptr[start:]``, widened: (int16 x 16, x chunk) pairs."""
+            return [(builder.sext(_load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16)),
+                                  _vec(_I16, 16)), c) for c in range(group // 16)]
 
         for i in range(nrows):
-            wscale = None
+            scale = None  # the group's float16 weight scale (int4, GGML), as float32
             if int4:  # byte j of a group: value j (low nibble) and value j + group/2 (high)
-                lo, hi = [], []
+                ws = []
                 for c in range(group // 32):
                     b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, c64(group // 2)), c64(16 * c)),
                                   _vec(_I8, 16))
                     w = builder.zext(b, _vec(_I16, 16))
-                    lo.append(builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16)))
-                    hi.append(builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16)))
-                # the sum order of the one-token kernel: (lo c0 + hi c0) + (lo c1 + hi c1) ...
-                isums = []
-                for j in range(ntok):
-                    isum = None
-                    for c in range(group // 32):
-                        s = builder.add(builder.call(pmadd, [lo[c], xs[j][c]]),
-                                        builder.call(pmadd, [hi[c], xs[j][c + group // 32]]))
-                        isum = s if isum is None else builder.add(isum, s)
-                    isums.append(isum)
-                wscale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)))
+                    ws += [(builder.and_(w, i16(15)), c), (builder.lshr(w, i16(4)), c + group // 32)]
+                scale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)))
             elif fmt == "int8":
-                isums = sums(int8_chunks(wrow[i], xbase))
+                ws = int8_chunks(wrow[i], xbase)
             else:  # GGML block: float16 scale first
                 blk = builder.gep(wrow[i], [builder.mul(g, c64(GGML_BLOCK[fmt]))], inbounds=True)
-                half = builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1)
-                wscale = half_to_f32_ir(builder, half)
+                scale = half_to_f32_ir(builder, builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1))
                 if fmt == "q8_0":
-                    isums = sums(int8_chunks(blk, c64(2)))
+                    ws = int8_chunks(blk, c64(2))
                 else:
                     qh = builder.load(builder.bitcast(builder.gep(blk, [c64(2)], inbounds=True),
                                                       _I32.as_pointer()), align=1)
                     qh = _splat(builder, qh, 16)
                     w = builder.zext(_load_vec(builder, blk, c64(6), _vec(_I8, 16)), _vec(_I16, 16))
-                    nib = (builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16)),
-                           builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16)))
-                    chunks = []
+                    nib = (builder.and_(w, i16(15)), builder.lshr(w, i16(4)))
+                    ws = []
                     for c in range(2):
                         bit = builder.and_(builder.lshr(qh, ir.Constant(_vec(_I32, 16), list(range(16 * c, 16 * c + 16)))),
                                            ir.Constant(_vec(_I32, 16), [1] * 16))
-                        hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), ir.Constant(_vec(_I16, 16), [4] * 16))
-                        chunks.append(builder.sub(builder.or_(nib[c], hi), ir.Constant(_vec(_I16, 16), [16] * 16)))
-                    isums = sums(chunks)
+                        hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), i16(4))
+                        ws.append((builder.sub(builder.or_(nib[c], hi), i16(16)), c))
             for j in range(ntok):
-                d = xdg[j] if wscale is None else builder.fmul(wscale, xdg[j])
+                isum = None
+                for w, c in ws:
+                    s = builder.call(pmadd, [w, xs[j][c]])
+                    isum = s if isum is None else builder.add(isum, s)
+                d = xdg[j] if scale is None else builder.fmul(scale, xdg[j], flags=_EXACT)
                 accs[i, j].add_incoming(
-                    builder.fadd(accs[i, j], builder.fmul(builder.sitofp(isums[j], _vec(_F32, 8)), _splat(builder, d, 8))),
-                    body)
+                    _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8), accs[i, j]), body)
         g.add_incoming(builder.add(g, c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
         for (i, j), acc in accs.items():
-            builder.store(_hsum(builder, acc), builder.gep(out[j], [rows[i]], inbounds=True))
+            at = builder.add(builder.mul(toks[j], out_len), rows[i])
+            builder.store(_hsum(builder, acc), builder.gep(oa.data, [at], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
@@ -300,8 +297,7 @@ def _tile_dot_codegen(rt: int, tt: int):
         for j in range(tt):
             d = _splat(builder, builder.load(builder.gep(drow[j], [kb], inbounds=True)), 8)
             for i in range(rt):
-                facc[i, j].add_incoming(
-                    builder.fadd(facc[i, j], builder.fmul(builder.sitofp(acc[i, j], _vec(_F32, 8)), d)), body)
+                facc[i, j].add_incoming(_fma(builder, builder.sitofp(acc[i, j], _vec(_F32, 8)), d, facc[i, j]), body)
         kb.add_incoming(builder.add(kb, c64(1)), body)
         builder.branch(head)
 
@@ -326,14 +322,11 @@ def _first_args(inner, n: int):
     return codegen
 
 
-TOKENS = (4, 2, 1)  # activation rows per call of the few-row intrinsics (``ntok`` literals)
-
-
 @intrinsic
 def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, t0, out, group, nrows, ntok):
-    """``out[t, r] = sum_g f16(scales[r, g]) * xd[t, g] * sum_i n[r, g, i] * xq[t, g*G + i]`` for the
-    ``nrows`` rows ``r0 ..`` of an int4 matrix and the ``ntok`` activation rows ``t0 ..`` (no
-    ``mins`` term).
+    """``out[t, r] = sum_g f16(scales[r, g]) * xd[t, g] * sum_i n[r, g, i] * xq[t, g*G + i]`` for
+    the ``nrows`` rows ``r0 ..`` of an int4 matrix and the ``ntok`` tokens ``t0 ..`` (no ``mins``
+    term).
 
     ``packed`` uint8 ``[out, in//2]`` (gemmalite.weights.quant nibble order), ``scales`` uint16 float16
     bits ``[out, in//G]``, ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in//G]``, ``out`` float32
@@ -341,9 +334,9 @@ def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, t0, out, group, nrows, 
     compile-time literals (the unrolling depends on them). A group's products are summed exactly
     in int32 (15 * 32767 * 64 < 2**31), then scaled in float32.
     """
-    if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9)) and _literal(ntok, TOKENS)):
+    if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, "int4", ntok.literal_value)
+    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, ntok.literal_value, "int4")
     return types.void(packed, scales, xq, xd, r0, t0, out, group, nrows, ntok), _first_args(inner, 7)
 
 
@@ -351,12 +344,12 @@ def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, t0, out, group, nrows, 
 def int8_rows_dot(typingctx, q, xq, xd, r0, t0, out, nrows, ntok):
     """``out[t, r] = sum_g xd[t, g] * sum_i q[r, 32g + i] * xq[t, 32g + i]`` for rows ``r0 ..
     r0 + nrows - 1`` of an int8 matrix ``q [out, in]`` (in a multiple of 32; the caller applies
-    the row scale) and activation rows ``t0 .. t0 + ntok - 1``. ``xq`` int16 ``[T, in]``, ``xd``
-    float32 ``[T, in//32]``, ``out`` ``[T, out]``; ``nrows``, ``ntok`` literals. A group's
-    products are summed exactly in int32 (127 * 32767 * 32 < 2**31)."""
-    if not (_literal(nrows, range(1, 9)) and _literal(ntok, TOKENS)):
+    the row scale) and tokens ``t0 .. t0 + ntok - 1``. ``xq`` int16 ``[T, in]``, ``xd`` float32
+    ``[T, in//32]``, ``out`` float32 ``[T, out]``; ``nrows``, ``ntok`` literals.
+    A group's products are summed exactly in int32 (127 * 32767 * 32 < 2**31)."""
+    if not (_literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(32, nrows.literal_value, "int8", ntok.literal_value)
+    inner = _rows_dot_codegen(32, nrows.literal_value, ntok.literal_value, "int8")
     return types.void(q, xq, xd, r0, t0, out, nrows, ntok), _first_args(inner, 6)
 
 
@@ -372,12 +365,12 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
 
 
 @intrinsic
-def block_rows_dot(typingctx, raw, xq, xd, r0, t0, out, bits, ntok):
-    """``out[t, r0] = sum_g f16(d[r0, g]) * xd[t, g] * sum_i w[r0, g, i] * xq[t, 32g + i]`` for row
+def block_row_dot(typingctx, raw, xq, xd, r0, t0, out, bits, ntok):
+    """``out[t, r] = sum_g f16(d[r, g]) * xd[t, g] * sum_i w[r, g, i] * xq[t, 32g + i]`` for row
     ``r0`` of a GGML matrix stored as raw blocks of 32 values (``raw`` uint8 ``[rows, in // 32 *
-    block]``) and activation rows ``t0 .. t0 + ntok - 1``: ``bits`` 8 for Q8_0, 5 for Q5_0 (a
-    literal). ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // 32]``, ``out`` ``[T, rows]``."""
-    if not (_literal(bits, (5, 8)) and _literal(ntok, TOKENS)):
+    block]``) and tokens ``t0 .. t0 + ntok - 1``: ``bits`` 8 for Q8_0, 5 for Q5_0 (literals, as
+    ``ntok``). ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // 32]``, ``out`` ``[T, rows]``."""
+    if not (_literal(bits, (5, 8)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _rows_dot_codegen(32, 1, "q8_0" if bits.literal_value == 8 else "q5_0", ntok.literal_value)
+    inner = _rows_dot_codegen(32, 1, ntok.literal_value, "q8_0" if bits.literal_value == 8 else "q5_0")
     return types.void(raw, xq, xd, r0, t0, out, bits, ntok), _first_args(inner, 6)

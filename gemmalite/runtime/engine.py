@@ -8,6 +8,7 @@ tables (token embedding, PLE table, LM head). Everything a request changes lives
     logits = engine.logits(engine.prefill(state, ids))[0]   # the prompt; logits of its last position
     logits = engine.decode_step(state, next_id)             # one token
     logits = engine.decode_batch(states, next_ids)          # one token for each of B sequences
+    h = engine.prefill_many(states, prompts)                # several prompts in one pass
 
 The host side (row lookups, LM head, softcap) is here; the graph (layers + KV cache) is behind
 ``graph.forward(state, x0, ple_rows, keep)``, the one call another backend would implement.
@@ -38,6 +39,9 @@ class Graph(Protocol):
                 keep: np.ndarray | None = None, capture: list | None = None, each: bool = False) -> np.ndarray: ...
 
     def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray: ...
+
+    def forward_many(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None,
+                     counts: list[int]) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,41 @@ class Engine:
     def prefill(self, state: KVState, ids: np.ndarray, soft: SoftTokens | None = None) -> np.ndarray:
         """Run a prompt (or the new part of one); the final hidden state of its last position ``[1, H]``."""
         return self.forward(state, ids, keep=np.array([len(ids) - 1]), soft=soft)
+
+    def prefill_many(self, states: list[KVState], prompts: list) -> np.ndarray:
+        """Prefill several sequences together: the final hidden state of each one's last position
+        ``[B, H]``, row ``b`` bit for bit ``prefill(states[b], prompts[b])``'s. Prompts of up to
+        ``PREFILL_CHUNK`` tokens in all go through the layers as one stack of rows, so each weight
+        is read once for all of them (attention per sequence); a longer prompt runs alone.
+        Take the logits with ``logits(h, each=True)`` (each row as a one-row product)."""
+        ids = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        out = np.empty((len(ids), self.embed.shape[1]), dtype=np.float32)
+        batch: list[int] = []
+
+        def flush() -> None:
+            if batch:
+                out[batch] = self._forward_many([states[b] for b in batch], [ids[b] for b in batch])
+                batch.clear()
+
+        for b, i in enumerate(ids):
+            if len(i) > PREFILL_CHUNK or len(i) == 0:
+                out[b] = self.prefill(states[b], i)[0]
+                continue
+            if sum(len(ids[j]) for j in batch) + len(i) > PREFILL_CHUNK:
+                flush()
+            batch.append(b)
+        flush()
+        return out
+
+    def _forward_many(self, states: list[KVState], ids: list[np.ndarray]) -> np.ndarray:
+        flat = np.concatenate(ids)
+        with compute(self.threads):
+            x0 = self.embed.rows(flat) * self.embed_scale
+            ple = self.ple_table.rows(flat) * self.ple_scale if self.ple_table is not None else None
+            h = self.graph.forward_many(states, x0, ple, [len(i) for i in ids])
+        for state, i in zip(states, ids):
+            state.tokens.extend(int(t) for t in i)
+        return h
 
     def logits(self, h: np.ndarray, each: bool = False) -> np.ndarray:
         """float32 logits ``[n, vocab]`` of final hidden states ``[n, H]`` (LM head, then softcap);

@@ -1,8 +1,10 @@
 """Continuous batching: one thread owns the engine and steps every active sequence together.
 
 Requests wait in a bounded queue. Between two decode steps the scheduler admits waiting
-requests (up to ``max_concurrency`` active), prefills each one's new tokens and samples its
-first token; then one batched decode step computes the next token of every active sequence
+requests (up to ``max_concurrency`` active), prefills their new tokens together
+(`Engine.prefill_many`: a burst of requests shares each weight read, and nobody waits behind
+the others' prefills one after another) and samples each one's first token; then one batched
+decode step computes the next token of every active sequence
 (`Engine.decode_batch`: each weight is read once for all of them). A sequence whose client
 went away (``cancel()``) is dropped at the next step and its KV state goes back to a small
 prefix cache: a later request that starts with the same tokens (a multi-turn chat resent
@@ -174,20 +176,27 @@ class Scheduler:
                 break
 
     def _admit(self) -> None:
-        while len(self.active) < self.max_concurrency:
+        """Take the waiting requests (while there is room) and prefill them together."""
+        new: list[Sequence] = []
+        while len(self.active) + len(new) < self.max_concurrency:
             try:
                 seq = self.waiting.get_nowait()
             except queue.Empty:
-                return
+                break
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 continue
             try:
-                self._prefill(seq)
+                if self._start(seq):
+                    new.append(seq)
             except Exception as e:  # a request the engine refuses must not stop the others
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+        if new:
+            self._prefill(new)
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _start(self, seq: Sequence) -> bool:
+        """Give ``seq`` its state (a cached prefix where one matches), sampler and text cutter;
+        False if it is already done."""
         soft = seq.soft
         seq.state, seq.cached = self.cache.take(soft.keyed(seq.ids) if soft is not None else seq.ids)
         seq.sampler = Sampler(seq.params)
@@ -195,14 +204,51 @@ class Scheduler:
         seq.history = list(seq.ids)
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
-            return
-        h = self.engine.prefill(seq.state, np.asarray(seq.ids[seq.cached:], dtype=np.int64),
-                                soft.after(seq.cached) if soft is not None else None)
+            return False
+        return True
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Run the new prompt tokens of ``seqs`` and sample each one's first token. Plain-token
+        prompts that fit go through the engine together (`Engine.prefill_many`: each weight read
+        once for all of them, each result its solo one); pictures, and prompts that would not fit
+        (the engine's error then ends only that request), run alone."""
+        together = [s for s in seqs if s.soft is None and s.state.length + len(s.ids) - s.cached <= s.state.context]
+        if len(together) > 1:
+            try:
+                h = self.engine.prefill_many([s.state for s in together], [self._new_ids(s) for s in together])
+                logits = self.engine.logits(h, each=True)
+            except Exception as e:  # their states may be half written: none goes back to the cache
+                for seq in together:
+                    self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            else:
+                for seq, row in zip(together, logits):
+                    try:
+                        self._started(seq, row)
+                    except Exception as e:
+                        self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+        else:
+            together = []
+        for seq in seqs:
+            if seq in together:
+                continue
+            try:
+                soft = seq.soft
+                h = self.engine.prefill(seq.state, self._new_ids(seq), soft.after(seq.cached) if soft is not None else None)
+                self._started(seq, self.engine.logits(h)[0])
+            except Exception as e:  # a request the engine refuses must not stop the others
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+
+    @staticmethod
+    def _new_ids(seq: Sequence) -> np.ndarray:
+        return np.asarray(seq.ids[seq.cached:], dtype=np.int64)
+
+    def _started(self, seq: Sequence, logits: np.ndarray) -> None:
+        """``seq``'s prompt is in its state: count it, let it join the batch, sample its first token."""
         self.metrics.observe("gemmalite_time_to_first_token_seconds", time.perf_counter() - seq.submitted)
         self.metrics.inc("gemmalite_prompt_tokens_total", len(seq.ids))
         self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)
         self.active.append(seq)
-        self._accept(seq, self.engine.logits(h)[0])
+        self._accept(seq, logits)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.active if s.cancelled]:

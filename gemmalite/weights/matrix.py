@@ -51,6 +51,10 @@ class Matrix:
 
     shape: tuple[int, int]
     uses_blas = True  # do products of many rows (prefill) call BLAS? (see DecoderGraph)
+    # Does a product of more than FEW_ROWS rows compute each row as it would among any other
+    # rows (so several sequences' prompts can share one product and get their own numbers)?
+    # Not through BLAS, whose blocking may depend on the row count.
+    independent_rows = False
 
     @property
     def nbytes(self) -> int:  # bytes of weight data read by one full matmul

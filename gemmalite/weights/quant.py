@@ -60,7 +60,10 @@ __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
 LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
-LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections gain)
+LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections
+# gain while the weight stream bounds the step). Several activation rows (a batch of sequences) go in
+# tiles of up to 4 of them per weight row, which widen each weight once and sum each row's groups on
+# independent chains.
 
 
 def _as_f32_block(w: np.ndarray) -> np.ndarray:
@@ -111,6 +114,11 @@ class Int8Matrix(_Quantized):
     def uses_blas(self) -> bool:
         """Prefill takes the integer tiles where they apply, else dequantize + BLAS."""
         return not (common.HAVE_AVX2 and self.shape[1] % TILE_BLOCK == 0)
+
+    @property
+    def independent_rows(self) -> bool:
+        """The integer tiles round and sum each row of x on its own."""
+        return not self.uses_blas
 
     @classmethod
     def quantize(cls, w: np.ndarray) -> "Int8Matrix":
@@ -167,7 +175,7 @@ class Int8Matrix(_Quantized):
         """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W8A16)."""
         xq, xd, _ = int16_activation_rows(x, 32)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        i8_mvn_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
+        i8_mvn_w8a16(self.q, self.scale, xq, xd, _rows_per_task(x.shape[0], self.shape[1]), out)
         return out
 
     def _matmul_w8a16(self, x: np.ndarray) -> np.ndarray:
@@ -295,11 +303,22 @@ class Int4Matrix(_Quantized):
         xq, xd, xs = int16_activation_rows(x, self.group)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         i4_mvn_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
-                     4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
+                     _rows_per_task(x.shape[0], self.shape[1]), out)
         return out
 
     def __repr__(self):
         return f"Int4Matrix{self.shape}(group={self.group})"
+
+
+FOUR_ROW_TILES = 8  # from this many activation rows on (the 16-bit multiply-adds bound the step, not the
+# weight stream), tiles of 4 weight rows, which share each activation load. Measured on E2B, decode_batch
+# step ms with 4-row tiles from 2 rows on / from 4 / never: B=2 152/102/105, B=4 167/175/145,
+# B=8 285/287/297 (fewer, scattered streams read the weights faster while that bounds the step).
+
+
+def _rows_per_task(t: int, k: int) -> int:
+    """Weight rows per task of the int16-activation kernels (see LONG_ROW_SIMD)."""
+    return 4 if t >= FOUR_ROW_TILES or k >= LONG_ROW_SIMD else 1
 
 
 def _check_group(k: int, group: int) -> None:

@@ -26,6 +26,7 @@ class CountingEngine:
 
     def __init__(self, step_s: float = 0.0):
         self.batches: list[int] = []
+        self.prefills: list[int] = []  # sequences per prefill_many call
         self.step_s = step_s
 
     def new_state(self) -> KVState:
@@ -36,7 +37,11 @@ class CountingEngine:
         state.tokens.extend(int(i) for i in ids)
         return np.array([[float(ids[-1])]])
 
-    def logits(self, h):
+    def prefill_many(self, states, prompts):
+        self.prefills.append(len(prompts))
+        return np.concatenate([self.prefill(s, p) for s, p in zip(states, prompts)])
+
+    def logits(self, h, each=False):
         out = np.zeros((h.shape[0], VOCAB), np.float32)
         out[np.arange(h.shape[0]), (h[:, 0].astype(int) + 1) % VOCAB] = 1.0
         return out
@@ -111,3 +116,20 @@ def test_length_and_cancel_and_shutdown():
     threading.Thread(target=sch.close).start()
     assert _drain(c)[1].reason == "cancelled"
     assert _drain(d)[1].reason == "cancelled"
+
+
+def test_requests_waiting_together_are_prefilled_together():
+    """Requests that wait at the same moment go through one `prefill_many` call (a burst does
+    not queue behind one prefill after another), and each then streams its own continuation."""
+    eng = CountingEngine()
+    sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=3, prefix_cache=0)
+    sinks = [queue.Queue() for _ in range(4)]
+    for i, q in enumerate(sinks):
+        sch.waiting.put_nowait(_seq([10 * (i + 1)], 2, q))  # waiting before the thread starts
+    sch.start()
+    try:
+        results = [_drain(q) for q in sinks]
+    finally:
+        sch.close()
+    assert [text for text, _ in results] == [_text(10 * (i + 1) + 1, 10 * (i + 1) + 2) for i in range(4)]
+    assert eng.prefills[0] == 3  # the first three together (max_concurrency); the fourth later, alone

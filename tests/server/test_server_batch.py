@@ -46,6 +46,36 @@ def test_decode_batch_equals_decode_step(model):
         assert a.tokens == b.tokens and a.length == b.length
 
 
+def test_prefill_many_equals_prefill(model):
+    """Prompts prefilled together (one stack of rows through the products, attention per
+    sequence) give each sequence bit for bit its solo prefill: the last position's logits, the
+    cache (the next decode step's logits), the recorded tokens. Lengths 1 and 3 take the few-row
+    products, the others the prefill ones (int8: the integer tiles on the 256-wide down
+    projections, shared by all of them); one prompt continues a cached prefix."""
+    eng = model.engine
+    vocab = model.config.vocab_size
+    prompts = [random_ids(n, vocab, seed=10 + n) for n in (7, 1, 3, 20, 11, 1, 6)]
+    solo, batch = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    eng.prefill(solo[-1], np.array(prompts[0][:4]))  # a state that already holds tokens
+    eng.prefill(batch[-1], np.array(prompts[0][:4]))
+    want = np.stack([eng.logits(eng.prefill(s, np.array(p)))[0] for s, p in zip(solo, prompts)])
+    got = eng.logits(eng.prefill_many(batch, [np.array(p) for p in prompts]), each=True)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(solo, batch):
+        assert a.tokens == b.tokens and a.length == b.length
+    toks = [int(t) for t in np.argmax(want, axis=1)]
+    np.testing.assert_array_equal(eng.decode_batch(batch, toks), np.stack([eng.decode_step(s, t) for s, t in zip(solo, toks)]))
+
+
+def test_prefill_many_checks_every_context_first(gl, tiny_dir):
+    """A prompt that does not fit raises before any state is written."""
+    eng = gl.load(tiny_dir, context=8).engine
+    states = [eng.new_state(), eng.new_state()]
+    with pytest.raises(gl.ContextError):
+        eng.prefill_many(states, [np.arange(5, 8), np.arange(5, 15)])
+    assert [s.length for s in states] == [0, 0] and not states[0].tokens
+
+
 def _ggml(name: str, w: np.ndarray):
     """A GGML block matrix of ``w`` (gguf-py quantizes; K-quants get random blocks of the right size)."""
     from gguf import GGMLQuantizationType as Q

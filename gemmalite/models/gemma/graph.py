@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ContextError
+from ...kernels import common
 from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from ...runtime.cache import SPARE_SLOTS, KVRing, KVState
 from ...weights.matrix import Matrix
@@ -98,31 +99,14 @@ class DecoderGraph:
         a prompt-lookup step verifies drafts with the numbers plain decoding would give).
         Returns final-normed hidden states ``[len(keep), H]``.
         """
-        cfg = self.cfg
         T = x0.shape[0]
         start = state.length
-        if start + T > state.context:
-            raise ContextError(f"sequence of {start + T} tokens exceeds the context of {state.context}")
-        pos = np.arange(start, start + T, dtype=np.int64)
-        h = np.ascontiguousarray(x0, dtype=np.float32)
-        ple = self._ple_inputs(h, ple_rows, each) if self.ple is not None else None
-        ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
-        groups = [_Group(state, slice(None), start)]
+        _check_room(state, T)
         rows = np.arange(T) if keep is None else np.asarray(keep, dtype=np.int64)
-        if capture is not None:
-            capture.append(h.copy())
-        for spec, w in zip(cfg.layers, self.layers):
-            if spec.index == cfg.first_shared_layer and capture is None and len(rows) < h.shape[0]:
-                h, pos = h[rows], pos[rows]
-                ple = ple[rows] if ple is not None else None
-                ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
-                rows = np.arange(len(rows))
-            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each)
-            if capture is not None:
-                capture.append(h.copy())
+        h = self._run([_Group(state, slice(None), start)], x0, ple_rows, np.arange(start, start + T), rows,
+                      capture, each)
         state.length = start + T
-        h = h[rows] if len(rows) < h.shape[0] else h
-        return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+        return h
 
     def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray:
         """One new token for each of B sequences (``x0`` ``[B, H]``, ``ple_rows`` ``[B, L*P]``).
@@ -132,20 +116,65 @@ class DecoderGraph:
         x0[b:b+1], ...)`` gives; attention and K/V writes are per sequence. Returns ``[B, H]``.
         """
         for s in states:
-            if s.length + 1 > s.context:
-                raise ContextError(f"sequence of {s.length + 1} tokens exceeds the context of {s.context}")
+            _check_room(s, 1)
         pos = np.array([s.length for s in states], dtype=np.int64)
-        h = np.ascontiguousarray(x0, dtype=np.float32)
-        ple = self._ple_inputs(h, ple_rows, each=True) if self.ple is not None else None
-        ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         groups = [_Group(s, slice(b, b + 1), s.length) for b, s in enumerate(states)]
-        for spec, w in zip(self.cfg.layers, self.layers):
-            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each=True)
+        h = self._run(groups, x0, ple_rows, pos, None, None, True)
         for s in states:
             s.length += 1
-        return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+        return h
 
-    def _ple_inputs(self, x0: np.ndarray, tok_rows: np.ndarray, each: bool = False) -> np.ndarray:
+    def forward_many(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None,
+                     counts: list[int]) -> np.ndarray:
+        """The new tokens of several sequences in one pass (prompts: ``counts[b]`` rows each,
+        concatenated in ``x0``); the final-normed hidden state of each one's last row ``[B, H]``,
+        row ``b`` bit for bit ``forward(states[b], its rows, keep=[its last])``'s.
+
+        Each product computes every sequence's rows as that sequence's own product would
+        (`_mm_parts`: one call for all of them where the format computes rows independently);
+        attention and K/V writes are per sequence; from the first KV-shared layer on, one row
+        per sequence, each as in a one-row step."""
+        for s, n in zip(states, counts):
+            if n < 1:
+                raise ValueError("every sequence needs at least one new token")
+            _check_room(s, n)
+        ends = np.cumsum(counts)
+        parts = [slice(int(e - n), int(e)) for e, n in zip(ends, counts)]
+        pos = np.concatenate([np.arange(s.length, s.length + n) for s, n in zip(states, counts)])
+        groups = [_Group(s, p, s.length) for s, p in zip(states, parts)]
+        h = self._run(groups, x0, ple_rows, pos, ends - 1, None, parts if len(parts) > 1 else False)
+        for s, n in zip(states, counts):
+            s.length += n
+        return h
+
+    def _run(self, groups: list["_Group"], x0: np.ndarray, ple_rows: np.ndarray | None, pos: np.ndarray,
+             rows: np.ndarray | None, capture: list | None, each) -> np.ndarray:
+        """All layers over the rows of ``x0`` (each group's rows attend to its own state); the
+        final-normed outputs of ``rows`` (all by default). ``each``: how products treat the rows
+        (`_mm`). KV-shared layers run only on ``rows``: one per group when there are several."""
+        cfg = self.cfg
+        h = np.ascontiguousarray(x0, dtype=np.float32)
+        ple = self._ple_inputs(h, ple_rows, each) if self.ple is not None else None
+        ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
+        rows = np.arange(h.shape[0]) if rows is None else rows
+        if capture is not None:
+            capture.append(h.copy())
+        for spec, w in zip(cfg.layers, self.layers):
+            if spec.index == cfg.first_shared_layer and capture is None and len(rows) < h.shape[0]:
+                h, pos = h[rows], pos[rows]
+                ple = ple[rows] if ple is not None else None
+                ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
+                rows = np.arange(len(rows))
+                if len(groups) > 1:  # one row left per sequence: products as one-row steps
+                    groups = [_Group(g.state, slice(b, b + 1), g.start, g.shared) for b, g in enumerate(groups)]
+                    each = True
+            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each)
+            if capture is not None:
+                capture.append(h.copy())
+        h = h[rows] if len(rows) < h.shape[0] else h
+        return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def _ple_inputs(self, x0: np.ndarray, tok_rows: np.ndarray, each=False) -> np.ndarray:
         """``(rms(x0·W_projᵀ·H^-½ per layer slice) + token rows) · 2^-½`` → ``[T, L, P]``."""
         cfg, T = self.cfg, x0.shape[0]
         ctx = _mm(self.ple.projection, x0, each) * np.float32(cfg.hidden_size**-0.5)
@@ -153,9 +182,9 @@ class DecoderGraph:
         tok = tok_rows.reshape(T, cfg.num_hidden_layers, cfg.ple_dim)
         return (ctx + tok) * np.float32(2.0**-0.5)
 
-    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, groups: list["_Group"], each: bool = False) -> np.ndarray:
+    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, groups: list["_Group"], each=False) -> np.ndarray:
         """One decoder layer over the rows of ``h``; each group's rows attend to its own state.
-        ``each``: rows are independent sequences (`forward_batch`)."""
+        ``each``: how products treat the rows (`_mm`)."""
         cfg = self.cfg
         window = cfg.sliding_window if spec.sliding else None
 
@@ -175,11 +204,11 @@ class DecoderGraph:
 
 
 def layer_step(cfg: ModelConfig, spec, w: LayerWeights, h: np.ndarray, ple: np.ndarray | None,
-               rope: tuple[np.ndarray, np.ndarray], attend, each: bool = False) -> np.ndarray:
+               rope: tuple[np.ndarray, np.ndarray], attend, each: "bool | list[slice]" = False) -> np.ndarray:
     """One Gemma layer on rows ``h [T, H]`` (the decoder's and the encoder's): ``ple`` this layer's
     PLE slice ``[T, P]`` or None; ``attend(q, k, v) -> [T, nq*D]`` runs attention (and keeps a cache
-    if the caller has one), ``k``/``v`` None on KV-shared layers. ``each``: the rows are independent
-    sequences, each product row computed exactly as alone (`Matrix.matmul_each`)."""
+    if the caller has one), ``k``/``v`` None on KV-shared layers. ``each``: how products treat the
+    rows (`_mm`: one product, each row alone, or each sequence's rows as its own product)."""
     eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
     cos, sin = rope
     bias = w.bias or {}
@@ -229,10 +258,43 @@ def _write_kv(ring: KVRing, k: np.ndarray, v: np.ndarray, pos: np.ndarray, start
     return ring.view()
 
 
-def _mm(m: Matrix, x: np.ndarray, each: bool) -> np.ndarray:
-    return m.matmul_each(x) if each else m.matmul(x)
+def _check_room(state: KVState, n: int) -> None:
+    if state.length + n > state.context:
+        raise ContextError(f"sequence of {state.length + n} tokens exceeds the context of {state.context}")
 
 
-def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each: bool = False) -> np.ndarray:
+def _mm(m: Matrix, x: np.ndarray, each: "bool | list[slice]") -> np.ndarray:
+    """``x @ W.T``: one product (``each`` False), each row as alone (True: `Matrix.matmul_each`),
+    or each part's rows (a list of slices: several sequences' prompts) as that part's own product."""
+    if each is True:
+        return m.matmul_each(x)
+    if not each:
+        return m.matmul(x)
+    return _mm_parts(m, x, each)
+
+
+def _mm_parts(m: Matrix, x: np.ndarray, parts: list[slice]) -> np.ndarray:
+    """Rows of several sequences, each part's rows bit for bit ``m.matmul(x[part])``, weights read
+    as few times as that allows: one-row parts share a `matmul_each`; parts of more than FEW_ROWS
+    rows share one `matmul` where the format computes such rows independently of each other
+    (`Matrix.independent_rows`); the rest (2..FEW_ROWS rows, other formats) one product each."""
+    sizes = [p.stop - p.start for p in parts]
+    many = [p for p, n in zip(parts, sizes) if n > common.FEW_ROWS] if m.independent_rows else []
+    if len(many) == len(parts):
+        return m.matmul(x)
+    out = np.empty((x.shape[0], m.shape[0]), dtype=np.float32)
+    ones = [p.start for p, n in zip(parts, sizes) if n == 1]
+    if ones:
+        out[ones] = m.matmul_each(x[ones])
+    if many:
+        idx = np.concatenate([np.arange(p.start, p.stop) for p in many])
+        out[idx] = m.matmul(x[idx])
+    for p, n in zip(parts, sizes):
+        if n != 1 and not (many and n > common.FEW_ROWS):
+            out[p] = m.matmul(x[p])
+    return out
+
+
+def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each=False) -> np.ndarray:
     y = _mm(m, x, each)
     return y + b if b is not None else y
