@@ -51,7 +51,8 @@ import numpy as np
 from ..kernels import common
 from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
-                             i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
+                             i8_block_corr, i8_mm_w8a8, i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize,
+                             round_int16_rows, round_u8_rows)
 from ..kernels.simd import TILE_BLOCK, int16_activation_rows
 from .matrix import Matrix
 
@@ -106,6 +107,7 @@ class Int8Matrix(_Quantized):
         self.q = np.ascontiguousarray(q)  # no copy when already contiguous (memory-mapped)
         self.scale = np.ascontiguousarray(scale)
         self.shape = q.shape
+        self._corr: np.ndarray | None = None  # VNNI prefill: -128 * block sums of q, made on first use
 
     @property
     def uses_blas(self) -> bool:
@@ -146,7 +148,9 @@ class Int8Matrix(_Quantized):
         x = _check_x(x, self.shape[1])
         t = x.shape[0]
         if t > common.FEW_ROWS:
-            return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
+            if self.uses_blas:
+                return self._matmul_blocked(x)
+            return self._matmul_w8a8(x) if common.HAVE_VNNI else self._matmul_w8a16(x)
         if self._int16_rows():
             return self._rows_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
@@ -181,6 +185,22 @@ class Int8Matrix(_Quantized):
         for t0 in range(0, t, TOKEN_CHUNK):
             t1 = min(t, t0 + TOKEN_CHUNK)
             i8_mm_w8a16(self.q, self.scale, xq[t0:t1], xd[t0:t1], out[t0:t1])
+        return out
+
+    def _matmul_w8a8(self, x: np.ndarray) -> np.ndarray:
+        """Prefill on VNNI: x rounded to int8 per TILE_BLOCK values (W8A8; the activation error is
+        about the weights' own), 8-bit dot products, TOKEN_CHUNK tokens at a time."""
+        t, k = x.shape
+        if self._corr is None:
+            corr = np.empty((k // TILE_BLOCK, self.shape[0]), dtype=np.int32)
+            i8_block_corr(self.q, TILE_BLOCK, corr)
+            self._corr = corr
+        xu = np.empty((t, k), dtype=np.uint8)
+        xd = np.empty((k // TILE_BLOCK, t), dtype=np.float32)
+        round_u8_rows(x, TILE_BLOCK, xu, xd)
+        out = np.empty((t, self.shape[0]), dtype=np.float32)
+        for t0 in range(0, t, TOKEN_CHUNK):
+            i8_mm_w8a8(self.q, self._corr, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
         return out
 
     def __repr__(self):
