@@ -182,11 +182,11 @@ def i8_block_corr(q, block, corr):
 
 
 @njit(parallel=True, **_FAST)
-def round_u8_rows(x, block, xu, xd):
-    """``simd.round_u8`` for every row of ``x`` (prefill activations), in parallel; the scales
-    ``xd`` come transposed, ``[k // block, T]``."""
+def round_u8_rows(x, xu, xd):
+    """``simd.round_u8`` for every row of ``x`` (prefill activations, ``k`` a multiple of
+    TILE_BLOCK), in parallel; the scales ``xd`` come transposed, ``[k // TILE_BLOCK, T]``."""
     for t in prange(x.shape[0]):
-        round_u8(x[t], block, xu[t], xd[:, t])
+        round_u8(x, xu, xd, t)
 
 
 @njit(parallel=True, **_FAST)

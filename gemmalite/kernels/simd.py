@@ -46,23 +46,6 @@ def round_int16(x, group, xq, xd, xs):  # pragma: no cover - compiled
             xq[j] = np.int16(np.rint(x[j] * inv))
 
 
-@njit(cache=True, error_model="numpy", boundscheck=False, fastmath=True)
-def round_u8(x, group, xu, xd):  # pragma: no cover - compiled
-    """One activation row -> int8 per group of ``group`` (scale ``xd[g]`` = max|x| / 127, round to
-    nearest, values in [-127, 127]) stored offset by +128 as uint8 ``xu``: the unsigned operand of
-    ``vpdpbusd`` (`u8_tile_dot` takes the offset back out with the weights' block sums).
-    ``xd`` is strided (a column of the transposed scales). Rounding error <= xd / 2 per value."""
-    for g in range(x.shape[0] // group):
-        amax = np.float32(0.0)
-        for j in range(g * group, g * group + group):
-            amax = max(amax, abs(x[j]))
-        d = amax / np.float32(127.0)
-        xd[g] = d
-        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-        for j in range(g * group, g * group + group):
-            xu[j] = np.uint8(np.int32(np.rint(x[j] * inv)) + 128)
-
-
 def int16_activation_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each row of ``x`` ``[T, k]`` as int16 per group (``round_int16``): values ``[T, k]``, scales
     and sums ``[T, k//group]``; the input of the decode kernels, each row rounded on its own."""
@@ -340,6 +323,66 @@ def _spread(builder, ptr, count: int, lane_of, nvec: int, ety):
     return [builder.shuffle_vector(vals, vals, ir.Constant(_vec(_I32, 8), [
         (lane_of(8 * v + p) if lane_of(8 * v + p) is not None else 0) for p in range(8)]))
         for v in range(nvec)]
+
+
+def _round_u8_codegen(context, builder, signature, args):
+    """IR of `round_u8`: per block, the max of |x| over eight-lane vectors, then ``x / d`` rounded
+    to nearest even (``cvtps2dq``, like ``np.rint``), +128, narrowed to bytes. (numba leaves a
+    float max reduction scalar: 2 values per ns against ~16 here.)"""
+    xty, uty, dty, _ = signature.args
+    xa = context.make_array(xty)(context, builder, args[0])
+    ua = context.make_array(uty)(context, builder, args[1])
+    da = context.make_array(dty)(context, builder, args[2])
+    t = args[3]
+    k = cgutils.unpack_tuple(builder, xa.shape)[1]
+    nkb, t_all = cgutils.unpack_tuple(builder, da.shape)
+    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    f8 = _vec(_F32, 8)
+    cvt = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vec(_I32, 8), [f8]),
+                                         "llvm.x86.avx.cvt.ps2dq.256")
+    fmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8]), "llvm.maxnum.v8f32")
+    fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8]), "llvm.fabs.v8f32")
+    xrow = builder.gep(xa.data, [builder.mul(t, k)], inbounds=True)
+    urow = builder.gep(ua.data, [builder.mul(t, k)], inbounds=True)
+    entry, head, body, done = _open_loop(builder, "roundu8")
+    kb = builder.phi(_I64)
+    kb.add_incoming(c64(0), entry)
+    builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
+
+    builder.position_at_end(body)
+    base = builder.mul(kb, c64(TILE_BLOCK))
+    xs = [_load_vec(builder, xrow, builder.add(base, c64(8 * c)), f8) for c in range(TILE_BLOCK // 8)]
+    m = [builder.call(fabs, [v]) for v in xs]
+    while len(m) > 1:
+        m = [builder.call(fmax, [a, b]) for a, b in zip(m[0::2], m[1::2])]
+    m = m[0]
+    for width in (4, 2, 1):
+        m = builder.call(fmax, [m, builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, 8), [
+            (p + width) % 8 for p in range(8)]))])
+    amax = builder.extract_element(m, ir.Constant(_I32, 0))
+    d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
+    builder.store(d, builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t)], inbounds=True))
+    pos = builder.fcmp_ordered(">", d, ir.Constant(_F32, 0.0))
+    inv = _splat(builder, builder.select(pos, builder.fdiv(ir.Constant(_F32, 1.0), d), ir.Constant(_F32, 0.0)), 8)
+    off = ir.Constant(_vec(_I32, 8), [128] * 8)
+    for c, v in enumerate(xs):
+        q = builder.add(builder.call(cvt, [builder.fmul(v, inv)]), off)
+        dst = builder.gep(urow, [builder.add(base, c64(8 * c))], inbounds=True)
+        builder.store(builder.trunc(q, _vec(_I8, 8)), builder.bitcast(dst, _vec(_I8, 8).as_pointer()), align=1)
+    kb.add_incoming(builder.add(kb, c64(1)), body)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def round_u8(typingctx, x, xu, xd, t):
+    """Row ``t`` of the activations ``x [T, k]`` float32 -> int8 per block of TILE_BLOCK values
+    (scale ``xd[b, t]`` = max|x| / 127, round to nearest even, values in [-127, 127]) stored
+    offset by +128 in ``xu [T, k]`` uint8: the unsigned operand of ``vpdpbusd``
+    (`u8_tile_dot` takes the offset back out with the weights' block sums). ``xd [k // B, T]``
+    float32 (transposed: a tile reads its tokens' scales together). Rounding error <= xd / 2."""
+    return types.void(x, xu, xd, t), _round_u8_codegen
 
 
 def _u8_tile_codegen(rt: int, tt: int):

@@ -197,7 +197,7 @@ class Int8Matrix(_Quantized):
             self._corr = corr
         xu = np.empty((t, k), dtype=np.uint8)
         xd = np.empty((k // TILE_BLOCK, t), dtype=np.float32)
-        round_u8_rows(x, TILE_BLOCK, xu, xd)
+        round_u8_rows(x, xu, xd)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
             i8_mm_w8a8(self.q, self._corr, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)

@@ -29,7 +29,7 @@ def _rounded(x):
     t, k = x.shape
     xu = np.empty((t, k), dtype=np.uint8)
     xd = np.empty((k // TILE_BLOCK, t), dtype=np.float32)
-    round_u8_rows(x, TILE_BLOCK, xu, xd)
+    round_u8_rows(x, xu, xd)
     return xu, xd
 
 
