@@ -60,6 +60,22 @@ def bf2f(typingctx, b):
     return sig, codegen
 
 
+@intrinsic
+def bits_to_f32(typingctx, i):
+    """The low 32 bits of an integer as the bits of a float32 (``2^n`` is ``(n + 127) << 23``)."""
+    if not isinstance(i, types.Integer):
+        return None
+    sig = types.float32(i)
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type.width != 32:
+            v = builder.trunc(v, ir.IntType(32)) if v.type.width > 32 else builder.sext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return sig, codegen
+
+
 @njit(inline="always", cache=True)
 def nibbles(byte):
     """(low, high) nibble of a byte as exact float32s, in float arithmetic: it vectorises to

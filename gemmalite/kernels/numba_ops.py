@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import bf2f, h2f
+from .common import bf2f, bits_to_f32, h2f
 
 ROWS_PER_TASK = 64
 
@@ -97,6 +97,55 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
         else:
             for c in range(d):
                 out[r, c] = x[r, c] * inv
+
+
+@njit(inline="always", cache=True, fastmath=True)
+def exp_nonpositive(x):  # pragma: no cover - compiled
+    """``e^x`` for ``x <= 0`` (softmax after the max is taken out) in plain float arithmetic that
+    vectorizes: numba calls a scalar libm ``exp`` (no SVML here). ``2^y = 2^n * 2^f`` with ``n``
+    the nearest integer, ``|f| <= 1/2``, ``2^f`` by its degree-7 Taylor polynomial (truncation
+    < 1e-8; a few float32 ulps in all); 0 below ``2^-126`` (``x`` < -87.3), as no normal float is."""
+    y0 = x * np.float32(1.4426950408889634)
+    y = y0 if y0 > np.float32(-126.0) else np.float32(-126.0)
+    n = np.floor(y + np.float32(0.5))
+    f = (y - n) * np.float32(0.6931471805599453)
+    p = np.float32(1.0 / 5040.0)
+    p = p * f + np.float32(1.0 / 720.0)
+    p = p * f + np.float32(1.0 / 120.0)
+    p = p * f + np.float32(1.0 / 24.0)
+    p = p * f + np.float32(1.0 / 6.0)
+    p = p * f + np.float32(0.5)
+    p = p * f + np.float32(1.0)
+    p = p * f + np.float32(1.0)
+    e = p * bits_to_f32((np.int32(n) + 127) << 23)
+    return e if y0 > np.float32(-126.0) else np.float32(0.0)
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def softmax_rows(s, scale):  # pragma: no cover - compiled
+    """In place, each row of ``s [R, N]``: ``softmax(scale * s)``, in parallel over rows, one
+    pass for the max (eight running maxima: numba leaves a single one scalar) and one for
+    ``exp`` and the sum."""
+    n = s.shape[1]
+    for r in prange(s.shape[0]):
+        row = s[r]
+        m = np.full(8, -np.inf, dtype=np.float32)
+        for j0 in range(0, n - 7, 8):
+            for i in range(8):
+                v = row[j0 + i]
+                m[i] = v if v > m[i] else m[i]
+        best = m.max()
+        for j in range(n - n % 8, n):
+            best = row[j] if row[j] > best else best
+        best *= scale
+        tot = np.float32(0.0)
+        for j in range(n):
+            e = exp_nonpositive(row[j] * scale - best)
+            row[j] = e
+            tot += e
+        inv = np.float32(1.0) / tot
+        for j in range(n):
+            row[j] *= inv
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
