@@ -121,31 +121,42 @@ def exp_nonpositive(x):  # pragma: no cover - compiled
     return e if y0 > np.float32(-126.0) else np.float32(0.0)
 
 
+@njit(inline="always", cache=True, fastmath=True, boundscheck=False)
+def softmax_row(row, scale):  # pragma: no cover - compiled
+    """In place: ``softmax(scale * row)``; one pass for the max (eight running maxima: numba
+    leaves a single one scalar), one for ``exp`` and the sum, one to normalise."""
+    n = row.shape[0]
+    m = np.full(8, -np.inf, dtype=np.float32)
+    for j0 in range(0, n - 7, 8):
+        for i in range(8):
+            v = row[j0 + i]
+            m[i] = v if v > m[i] else m[i]
+    best = m.max()
+    for j in range(n - n % 8, n):
+        best = row[j] if row[j] > best else best
+    best *= scale
+    tot = np.float32(0.0)
+    for j in range(n):
+        e = exp_nonpositive(row[j] * scale - best)
+        row[j] = e
+        tot += e
+    inv = np.float32(1.0) / tot
+    for j in range(n):
+        row[j] *= inv
+
+
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def softmax_rows(s, scale):  # pragma: no cover - compiled
-    """In place, each row of ``s [R, N]``: ``softmax(scale * s)``, in parallel over rows, one
-    pass for the max (eight running maxima: numba leaves a single one scalar) and one for
-    ``exp`` and the sum."""
-    n = s.shape[1]
+    """`softmax_row` on each row of ``s [R, N]``, in parallel over rows."""
     for r in prange(s.shape[0]):
-        row = s[r]
-        m = np.full(8, -np.inf, dtype=np.float32)
-        for j0 in range(0, n - 7, 8):
-            for i in range(8):
-                v = row[j0 + i]
-                m[i] = v if v > m[i] else m[i]
-        best = m.max()
-        for j in range(n - n % 8, n):
-            best = row[j] if row[j] > best else best
-        best *= scale
-        tot = np.float32(0.0)
-        for j in range(n):
-            e = exp_nonpositive(row[j] * scale - best)
-            row[j] = e
-            tot += e
-        inv = np.float32(1.0) / tot
-        for j in range(n):
-            row[j] *= inv
+        softmax_row(s[r], scale)
+
+
+@njit(nogil=True, cache=True, fastmath=True, boundscheck=False)
+def softmax_rows_serial(s, scale):  # pragma: no cover - compiled
+    """`softmax_row` on each row of ``s [R, N]`` on the calling thread, without the GIL."""
+    for r in range(s.shape[0]):
+        softmax_row(s[r], scale)
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
