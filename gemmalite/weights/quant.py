@@ -35,9 +35,12 @@ a few outliers when that lowers the weighted error; the stored values are then u
 re-round, so dequantization error is at most ``scale/2`` for every weight inside the grid.
 
 Kernels (numba, in `gemmalite.kernels.quant`): ``matmul`` with ``T <= FEW_ROWS`` runs fused numba kernels (``prange`` over output
-rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles of 4
-rows x 2 tokens with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s on this machine,
-2-3x the float32 BLAS path); int4, and CPUs without AVX2, dequantize row blocks into one
+rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles; with
+VNNI (``common.HAVE_VNNI``) the activations are rounded to int8 per TILE_BLOCK values (W8A8:
+step ``max|x| / 127``, about the weights' own error) and tiles of 8 rows x 2 tokens take 8-bit
+dot products (``simd.u8_tile_dot``, ~550-680 GOP/s here); otherwise tiles of 4 rows x 2 tokens
+with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s, 2-3x the float32 BLAS path); int4,
+and CPUs without AVX2, dequantize row blocks into one
 reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
 machine both int8 and int4 decode run near memory bandwidth (the portable float int4 kernel
 is bound by nibble unpacking at ~6 GB/s). Thread pools: numba's OpenMP workers and
