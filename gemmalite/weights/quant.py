@@ -6,7 +6,9 @@ rows (T <= FEW_ROWS, AVX2: a decode step or a prompt-lookup verification step; e
 computed bit for bit as alone), which round ``x`` to int16 per group (the int4 grid's groups; 32 values for
 int8; step ``max|x| / 32767``: W8A16 / W4A16, as NPUs run them) so that the products are
 exact 16-bit integer multiply-adds (:mod:`gemmalite.kernels.simd`); that rounding is ~100 times
-smaller than the int8 weight error and ~1e4 times smaller than the int4 one.
+smaller than the int8 weight error and ~1e4 times smaller than the int4 one. int8 prefill
+(T > FEW_ROWS, AVX2) rounds ``x`` too: to int16 per TILE_BLOCK values, or on VNNI to int8
+(W8A8, step ``max|x| / 127``: an error of the same order as the int8 weights' own).
 
 Formats (what ``tensors()`` returns and ``from_tensors()`` reads; the converter stores them in
 safetensors under ``<name>.<key>``):
