@@ -106,7 +106,7 @@ def exp_nonpositive(x):  # pragma: no cover - compiled
     the nearest integer, ``|f| <= 1/2``, ``2^f`` by its degree-7 Taylor polynomial (truncation
     < 1e-8; a few float32 ulps in all); 0 below ``2^-126`` (``x`` < -87.3), as no normal float is."""
     y0 = x * np.float32(1.4426950408889634)
-    y = y0 if y0 > np.float32(-126.0) else np.float32(-126.0)
+    y = y0 if y0 > np.float32(-126.0) else np.float32(-126.0)  # noqa: FURB136 - max() does not vectorize
     n = np.floor(y + np.float32(0.5))
     f = (y - n) * np.float32(0.6931471805599453)
     p = np.float32(1.0 / 5040.0)
@@ -130,10 +130,10 @@ def softmax_row(row, scale):  # pragma: no cover - compiled
     for j0 in range(0, n - 7, 8):
         for i in range(8):
             v = row[j0 + i]
-            m[i] = v if v > m[i] else m[i]
+            m[i] = v if v > m[i] else m[i]  # noqa: FURB136 - nor here
     best = m.max()
     for j in range(n - n % 8, n):
-        best = row[j] if row[j] > best else best
+        best = row[j] if row[j] > best else best  # noqa: FURB136
     best *= scale
     tot = np.float32(0.0)
     for j in range(n):

@@ -126,9 +126,8 @@ def _head_pool() -> tuple[ThreadPoolExecutor, Any]:
     """Python threads for the BLAS attention's heads and the BLAS thread limit they run under."""
     global _HEAD_POOL
     if _HEAD_POOL is None:
-        from threadpoolctl import ThreadpoolController
-
         import numba
+        from threadpoolctl import ThreadpoolController
 
         _HEAD_POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "gemmalite-heads"), ThreadpoolController()
     return _HEAD_POOL

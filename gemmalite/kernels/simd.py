@@ -308,7 +308,7 @@ def _lane_sums(builder, vecs):
         for width in (1, 2, 4):  # pair up: lanes in runs of `width` from a, then from b
             lo = [p for base in range(0, 8, 2 * width) for p in (*range(base, base + width),
                                                                     *range(8 + base, 8 + base + width))]
-            hi = [p + width if p < 8 else p + width for p in lo]
+            hi = [p + width for p in lo]
             level = [builder.add(builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), lo)),
                                  builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), hi)))
                      for a, b in zip(level[0::2], level[1::2])]

@@ -148,8 +148,9 @@ def test_apply_rope_is_the_rotate_half_expression_to_the_bit(shape):
 
 def test_softmax_rows_matches_float64():
     """The fused softmax of the BLAS attention (its own vectorizing exp) against float64."""
-    from gemmalite.kernels.numba_ops import exp_nonpositive, softmax_rows
     from numba import njit
+
+    from gemmalite.kernels.numba_ops import exp_nonpositive, softmax_rows
 
     @njit
     def exps(x, out):
