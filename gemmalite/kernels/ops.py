@@ -16,6 +16,9 @@ from .numba_ops import (KEY_BLOCK, attention_blocked, attention_rows, key_block_
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
+# Fewer query rows than this keep the BLAS attention on the calling thread (with BLAS's own
+# threads): changing OpenBLAS's thread count costs a few ms, more than a short query's attention.
+THREADED_HEADS_MIN_ROWS = 64
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -169,7 +172,7 @@ def _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal) -> np.ndarray:
                 heads_out[t0 : t0 + tb, h] = (scores @ vt[h]).reshape(tb, g, D)
 
     n = min(kv, numba.get_num_threads())
-    if n <= 1:
+    if n <= 1 or T < THREADED_HEADS_MIN_ROWS:
         heads(range(kv))
         return out
     pool, blas = _head_pool()
