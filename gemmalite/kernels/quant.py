@@ -184,7 +184,7 @@ def i8_block_corr(q, block, corr):
 @njit(parallel=True, **_FAST)
 def round_u8_rows(x, xu, xd):
     """``simd.round_u8`` for every row of ``x`` (prefill activations, ``k`` a multiple of
-    TILE_BLOCK), in parallel; the scales ``xd`` come transposed, ``[k // TILE_BLOCK, T]``."""
+    U8_BLOCK), in parallel; the scales ``xd`` come transposed, ``[k // U8_BLOCK, T]``."""
     for t in prange(x.shape[0]):
         round_u8(x, xu, xd, t)
 

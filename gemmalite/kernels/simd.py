@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from .common import half_to_f32_ir
 
 __all__ = ["int16_activation_rows", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot",
-           "int8_tile_dot", "u8_tile_dot", "block_row_dot", "TILE_BLOCK"]
+           "int8_tile_dot", "u8_tile_dot", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
@@ -219,6 +219,7 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
 
 
 TILE_BLOCK = 256  # activation values per int16 scale in the matrix-matrix (prefill) kernel
+U8_BLOCK = 256  # activation values per int8 scale in the VNNI prefill kernel (128 measured no closer)
 
 
 def _tile_dot_codegen(rt: int, tt: int):
@@ -350,8 +351,8 @@ def _round_u8_codegen(context, builder, signature, args):
     builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
 
     builder.position_at_end(body)
-    base = builder.mul(kb, c64(TILE_BLOCK))
-    xs = [_load_vec(builder, xrow, builder.add(base, c64(8 * c)), f8) for c in range(TILE_BLOCK // 8)]
+    base = builder.mul(kb, c64(U8_BLOCK))
+    xs = [_load_vec(builder, xrow, builder.add(base, c64(8 * c)), f8) for c in range(U8_BLOCK // 8)]
     m = [builder.call(fabs, [v]) for v in xs]
     while len(m) > 1:
         m = [builder.call(fmax, [a, b]) for a, b in zip(m[0::2], m[1::2])]
@@ -377,7 +378,7 @@ def _round_u8_codegen(context, builder, signature, args):
 
 @intrinsic
 def round_u8(typingctx, x, xu, xd, t):
-    """Row ``t`` of the activations ``x [T, k]`` float32 -> int8 per block of TILE_BLOCK values
+    """Row ``t`` of the activations ``x [T, k]`` float32 -> int8 per block of U8_BLOCK values
     (scale ``xd[b, t]`` = max|x| / 127, round to nearest even, values in [-127, 127]) stored
     offset by +128 in ``xu [T, k]`` uint8: the unsigned operand of ``vpdpbusd``
     (`u8_tile_dot` takes the offset back out with the weights' block sums). ``xd [k // B, T]``
@@ -389,7 +390,7 @@ def _u8_tile_codegen(rt: int, tt: int):
     """IR for an ``rt`` rows x ``tt`` tokens tile of ``out = scale * (x @ q.T)`` with int8
     activations: ``vpdpbusd`` of the uint8 ``x + 128`` against the int8 weights.
 
-    Per block of TILE_BLOCK values: ``rt * tt`` int32 accumulators of eight lanes, each weight
+    Per block of U8_BLOCK values: ``rt * tt`` int32 accumulators of eight lanes, each weight
     chunk of 32 bytes loaded once for the ``tt`` tokens and each activation chunk once for the
     ``rt`` rows; then a transposing tree folds the eight lanes of every (row, token) pair, eight
     pairs to a vector, the block's offset term ``-128 * sum(q)`` (``corr``, per row and block) is
@@ -431,9 +432,9 @@ def _u8_tile_codegen(rt: int, tt: int):
         builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
 
         builder.position_at_end(body)
-        base = builder.mul(kb, c64(TILE_BLOCK))
+        base = builder.mul(kb, c64(U8_BLOCK))
         acc = {(i, j): ir.Constant(v8, [0] * 8) for i in range(rt) for j in range(tt)}
-        for c in range(TILE_BLOCK // 32):
+        for c in range(U8_BLOCK // 32):
             off = builder.add(base, c64(32 * c))
             ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
             xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
@@ -519,7 +520,7 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
 @intrinsic
 def u8_tile_dot(typingctx, q, corr, xu, xd, r0, t0, out, scale, rt, tt):
     """``out[t, r] = scale[r] * sum_b xd[b, t] * (sum_i q[r, bB + i] * xu[t, bB + i] + corr[b, r])``
-    (B = TILE_BLOCK; ``xu`` = int8 activations + 128, ``corr[b, r] = -128 * sum_i q[r, bB + i]``,
+    (B = U8_BLOCK; ``xu`` = int8 activations + 128, ``corr[b, r] = -128 * sum_i q[r, bB + i]``,
     so the bracket is the exact integer dot product of the signed values) for rows ``r0 .. r0 +
     rt - 1`` and tokens ``t0 .. t0 + tt - 1``; ``rt`` a literal in 1, 2, 4, 8 and ``tt`` in 1-4.
     Needs VNNI (`kernels.common.HAVE_VNNI`). All arrays C-contiguous, ``k`` a multiple of B."""

@@ -58,7 +58,7 @@ from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
                              i8_block_corr, i8_mm_w8a8, i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize,
                              round_int16_rows, round_u8_rows)
-from ..kernels.simd import TILE_BLOCK, int16_activation_rows
+from ..kernels.simd import TILE_BLOCK, U8_BLOCK, int16_activation_rows
 from .matrix import Matrix
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
@@ -193,15 +193,15 @@ class Int8Matrix(_Quantized):
         return out
 
     def _matmul_w8a8(self, x: np.ndarray) -> np.ndarray:
-        """Prefill on VNNI: x rounded to int8 per TILE_BLOCK values (W8A8; the activation error is
+        """Prefill on VNNI: x rounded to int8 per U8_BLOCK values (W8A8; the activation error is
         about the weights' own), 8-bit dot products, TOKEN_CHUNK tokens at a time."""
         t, k = x.shape
         if self._corr is None:
-            corr = np.empty((k // TILE_BLOCK, self.shape[0]), dtype=np.int32)
-            i8_block_corr(self.q, TILE_BLOCK, corr)
+            corr = np.empty((k // U8_BLOCK, self.shape[0]), dtype=np.int32)
+            i8_block_corr(self.q, U8_BLOCK, corr)
             self._corr = corr
         xu = np.empty((t, k), dtype=np.uint8)
-        xd = np.empty((k // TILE_BLOCK, t), dtype=np.float32)
+        xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
         round_u8_rows(x, xu, xd)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):

@@ -9,7 +9,7 @@ import pytest
 
 from gemmalite.kernels import common
 from gemmalite.kernels.quant import i8_block_corr, i8_mm_w8a8, round_u8_rows
-from gemmalite.kernels.simd import TILE_BLOCK
+from gemmalite.kernels.simd import U8_BLOCK as TILE_BLOCK  # the VNNI kernel's block
 
 pytestmark = pytest.mark.skipif(not (common.HAVE_AVX2 and common.HAVE_VNNI),
                                 reason="no AVX-512 VNNI / AVX-VNNI on this CPU (or GEMMALITE_VNNI=0)")

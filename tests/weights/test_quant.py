@@ -8,7 +8,7 @@ import gemmalite.weights.matrix as matrix  # noqa: E402
 import gemmalite.weights.quant as quant  # noqa: E402
 from gemmalite.formats.converted import QUANT_METHOD, assemble  # noqa: E402
 from gemmalite.kernels import common  # noqa: E402
-from gemmalite.kernels.simd import TILE_BLOCK  # noqa: E402
+from gemmalite.kernels.simd import TILE_BLOCK, U8_BLOCK  # noqa: E402
 from gemmalite.weights.quant import Int4Matrix, Int8Matrix  # noqa: E402
 
 TS = (1, 2, 3, 4, 5, 17, 64)
@@ -41,7 +41,7 @@ def _int8_activations(m, x) -> bool:
 def _activation_step(m, x):
     """Half the rounding step of each activation where the kernel quantizes them (with
     AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int8 prefill
-    per TILE_BLOCK values; step = max|x| / 32767, or max|x| / 127 for int8 prefill on VNNI),
+    per TILE_BLOCK values; step = max|x| / 32767, or max|x| / 127 per U8_BLOCK for int8 prefill on VNNI),
     else 0: the kernel's only error beyond float32."""
     t, k = x.shape
     if not common.HAVE_AVX2:
@@ -51,7 +51,7 @@ def _activation_step(m, x):
     elif t <= common.FEW_ROWS:
         group = 32
     else:
-        group = TILE_BLOCK if t > common.FEW_ROWS else 0
+        group = U8_BLOCK if _int8_activations(m, x) else TILE_BLOCK
     if not group or k % group:
         return np.zeros_like(x)
     amax = np.abs(x.reshape(t, k // group, group)).max(2) / (127 if _int8_activations(m, x) else 32767)
