@@ -106,10 +106,13 @@ def main() -> int:
     ap.add_argument("--converted-int8", default=None, help="gemmalite convert --quant int8 output of MODEL")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="gemmalite/none,gemmalite/int8,transformers/none,egemma2/none",
+                    help="comma-separated ENGINE/QUANT list (default: all four; the int8 row is the "
+                         "converted checkpoint when --converted-int8 is given)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     int8 = ("gemmalite", "converted", a.converted_int8) if a.converted_int8 else ("gemmalite", "int8", a.model)
-    engines = [("gemmalite", "none", a.model), int8, ("transformers", "none", a.model), ("egemma2", "none", a.model)]
+    engines = [int8 if e == "gemmalite/int8" else (*e.split("/"), a.model) for e in a.engines.split(",")]
     results: dict[str, list[dict]] = {f"{e}/{q}": [] for e, q, _ in engines}
     for _ in range(a.rounds):
         for e, q, path in engines:

@@ -52,7 +52,10 @@ def write_tokenizer_with_image_tokens(path) -> None:
 
 
 @torch.no_grad()
-def randomize_vision_weights(modules, seed: int) -> None:
+def randomize_vision_weights(modules, seed: int, gentle: bool = False) -> None:
+    """Every weight random. ``gentle``: norm scales in [0.8, 1.2], post-norms in [0.2, 0.4] (as
+    `eg2_oracle.randomize_eg2_weights` does): about as sensitive to weight noise as a trained
+    tower, for the int8 bounds (the wide ranges make a random net chaotic)."""
     g = torch.Generator().manual_seed(seed)
     for mod in modules:
         named = dict(mod.named_parameters())
@@ -68,6 +71,10 @@ def randomize_vision_weights(modules, seed: int) -> None:
                 t.copy_(torch.randn(t.shape, generator=g))
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 t.copy_(0.25 + 0.5 * torch.rand(t.shape, generator=g))
+            elif t.ndim == 1 and gentle and ".post_" in name:  # sub-block outputs: a moderate update
+                t.copy_(0.2 + 0.2 * torch.rand(t.shape, generator=g))
+            elif t.ndim == 1 and gentle:
+                t.copy_(0.8 + 0.4 * torch.rand(t.shape, generator=g))
             elif t.ndim == 1:  # RMSNorm scales, std_scale
                 t.copy_(0.5 + torch.rand(t.shape, generator=g))
             elif t.ndim == 2:
@@ -76,7 +83,8 @@ def randomize_vision_weights(modules, seed: int) -> None:
                 raise AssertionError(f"vision weight {name} {tuple(t.shape)} left unrandomised")
 
 
-def make_vision_checkpoint(path, vision_config: dict, *, layout: str, seed: int = 0, dtype: str = "float32"):
+def make_vision_checkpoint(path, vision_config: dict, *, layout: str, seed: int = 0, dtype: str = "float32",
+                           gentle: bool = False):
     """Save a tiny random checkpoint with a vision tower; return the (float32, eager) torch
     model and its (vision tower, embed_vision) modules. ``layout``: "gemma4" or "eg2".
     ``dtype="bfloat16"`` stores bf16 (as on the hub); the model returned is then transformers'
@@ -99,7 +107,7 @@ def make_vision_checkpoint(path, vision_config: dict, *, layout: str, seed: int 
     else:
         raise ValueError(layout)
     model = model.float().eval()
-    randomize_vision_weights([inner.vision_tower, inner.embed_vision], seed + 1)
+    randomize_vision_weights([inner.vision_tower, inner.embed_vision], seed + 1, gentle)
     if dtype == "bfloat16":
         model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
         model = type(model).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

@@ -2,6 +2,8 @@
 and nibble unpacking. Every kernel module reads these from here (tests patch them here)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -14,7 +16,15 @@ announce_first_compile()  # one stderr line when this process first compiles a k
 
 # Does the host have AVX2 (the 16-bit integer multiply-add the SIMD intrinsics emit)? Without
 # it, products take portable float numba kernels. Read at call time, so tests can force False.
-HAVE_AVX2 = "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
+_FEATURES = llvm.get_host_cpu_features().flatten().split(",")
+HAVE_AVX2 = "+avx2" in _FEATURES
+
+# Does the host have 8-bit dot products (``vpdpbusd`` on 256-bit vectors: AVX-512 VNNI with VL, or
+# AVX-VNNI)? Then int8 prefill rounds activations to int8 and takes 32 multiply-adds per
+# instruction (`simd.int8_u8_tile_dot`) instead of 16. GEMMALITE_VNNI=0 forces the portable int16
+# path; like HAVE_AVX2, read at call time, so tests run both paths on one machine.
+HAVE_VNNI = (HAVE_AVX2 and os.environ.get("GEMMALITE_VNNI", "1") != "0"
+             and (("+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES) or "+avxvnni" in _FEATURES))
 
 # Products of at most this many activation rows (decode steps) run fused numba kernels that read
 # each weight once for all rows, and attention for that many query rows runs in numba: a decode
@@ -46,6 +56,22 @@ def bf2f(typingctx, b):
     def codegen(context, builder, signature, args):
         wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_to_f32(typingctx, i):
+    """The low 32 bits of an integer as the bits of a float32 (``2^n`` is ``(n + 127) << 23``)."""
+    if not isinstance(i, types.Integer):
+        return None
+    sig = types.float32(i)
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type.width != 32:
+            v = builder.trunc(v, ir.IntType(32)) if v.type.width > 32 else builder.sext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
 
     return sig, codegen
 

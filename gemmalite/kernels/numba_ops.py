@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import bf2f, h2f
+from .common import bf2f, bits_to_f32, h2f
 
 ROWS_PER_TASK = 64
 
@@ -97,6 +97,66 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
         else:
             for c in range(d):
                 out[r, c] = x[r, c] * inv
+
+
+@njit(inline="always", cache=True, fastmath=True)
+def exp_nonpositive(x):  # pragma: no cover - compiled
+    """``e^x`` for ``x <= 0`` (softmax after the max is taken out) in plain float arithmetic that
+    vectorizes: numba calls a scalar libm ``exp`` (no SVML here). ``2^y = 2^n * 2^f`` with ``n``
+    the nearest integer, ``|f| <= 1/2``, ``2^f`` by its degree-7 Taylor polynomial (truncation
+    < 1e-8; a few float32 ulps in all); 0 below ``2^-126`` (``x`` < -87.3), as no normal float is."""
+    y0 = x * np.float32(1.4426950408889634)
+    y = y0 if y0 > np.float32(-126.0) else np.float32(-126.0)  # noqa: FURB136 - max() does not vectorize
+    n = np.floor(y + np.float32(0.5))
+    f = (y - n) * np.float32(0.6931471805599453)
+    p = np.float32(1.0 / 5040.0)
+    p = p * f + np.float32(1.0 / 720.0)
+    p = p * f + np.float32(1.0 / 120.0)
+    p = p * f + np.float32(1.0 / 24.0)
+    p = p * f + np.float32(1.0 / 6.0)
+    p = p * f + np.float32(0.5)
+    p = p * f + np.float32(1.0)
+    p = p * f + np.float32(1.0)
+    e = p * bits_to_f32((np.int32(n) + 127) << 23)
+    return e if y0 > np.float32(-126.0) else np.float32(0.0)
+
+
+@njit(inline="always", cache=True, fastmath=True, boundscheck=False)
+def softmax_row(row, scale):  # pragma: no cover - compiled
+    """In place: ``softmax(scale * row)``; one pass for the max (eight running maxima: numba
+    leaves a single one scalar), one for ``exp`` and the sum, one to normalise."""
+    n = row.shape[0]
+    m = np.full(8, -np.inf, dtype=np.float32)
+    for j0 in range(0, n - 7, 8):
+        for i in range(8):
+            v = row[j0 + i]
+            m[i] = v if v > m[i] else m[i]  # noqa: FURB136 - nor here
+    best = m.max()
+    for j in range(n - n % 8, n):
+        best = row[j] if row[j] > best else best  # noqa: FURB136
+    best *= scale
+    tot = np.float32(0.0)
+    for j in range(n):
+        e = exp_nonpositive(row[j] * scale - best)
+        row[j] = e
+        tot += e
+    inv = np.float32(1.0) / tot
+    for j in range(n):
+        row[j] *= inv
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def softmax_rows(s, scale):  # pragma: no cover - compiled
+    """`softmax_row` on each row of ``s [R, N]``, in parallel over rows."""
+    for r in prange(s.shape[0]):
+        softmax_row(s[r], scale)
+
+
+@njit(nogil=True, cache=True, fastmath=True, boundscheck=False)
+def softmax_rows_serial(s, scale):  # pragma: no cover - compiled
+    """`softmax_row` on each row of ``s [R, N]`` on the calling thread, without the GIL."""
+    for r in range(s.shape[0]):
+        softmax_row(s[r], scale)
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

@@ -5,13 +5,20 @@ need is here. The numba loops behind them are in `numba_ops`.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import numpy as np
 
 from . import common
-from .numba_ops import KEY_BLOCK, attention_blocked, attention_rows, key_block_bounds, rms_norm_rows, rope_rows
+from .numba_ops import (KEY_BLOCK, attention_blocked, attention_rows, key_block_bounds, rms_norm_rows, rope_rows,
+                        softmax_rows_serial)
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
+# Fewer query rows than this keep the BLAS attention on the calling thread (with BLAS's own
+# threads): changing OpenBLAS's thread count costs a few ms, more than a short query's attention.
+THREADED_HEADS_MIN_ROWS = 64
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -112,28 +119,64 @@ def attention(
         return out
     if blas_free:
         return attention_numba(q, k, v, q_pos, k_pos, window, scale, causal)
+    return _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal)
+
+
+_HEAD_POOL: tuple[ThreadPoolExecutor, Any] | None = None
+
+
+def _head_pool() -> tuple[ThreadPoolExecutor, Any]:
+    """Python threads for the BLAS attention's heads and the BLAS thread limit they run under."""
+    global _HEAD_POOL
+    if _HEAD_POOL is None:
+        import numba
+        from threadpoolctl import ThreadpoolController
+
+        _HEAD_POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "gemmalite-heads"), ThreadpoolController()
+    return _HEAD_POOL
+
+
+def _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal) -> np.ndarray:
+    """The batched BLAS path: per KV head and ``QUERY_BLOCK`` query rows, scores by BLAS, the
+    fused softmax in numba, then BLAS again. With several KV heads and threads, the heads are
+    split over Python threads, each calling single-threaded BLAS (numpy and numba release the
+    GIL): OpenBLAS's own pool, spinning beside numba's, slowed the numba kernels that follow
+    by up to 2x (the vision tower: its int8 products 1.2 s alone against 2.5 s)."""
+    import numba
+
+    T, nq, D = q.shape
     kv = k.shape[1]
     g = nq // kv
-    kt = k.transpose(1, 2, 0)  # [kv, D, N]
-    vt = v.transpose(1, 0, 2)  # [kv, N, D]
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # [kv, D, N] (strided, BLAS took 2x longer)
+    vt = np.ascontiguousarray(v.transpose(1, 0, 2))  # [kv, N, D]
     out = np.empty((T, nq * D), dtype=np.float32)
-    for t0 in range(0, T, QUERY_BLOCK):
-        qb = q[t0 : t0 + QUERY_BLOCK]
-        tb = qb.shape[0]
-        qg = qb.reshape(tb, kv, g, D).transpose(1, 0, 2, 3).reshape(kv, tb * g, D)
-        scores = (qg @ kt).reshape(kv, tb, g, -1)
-        if scale != 1.0:
-            scores *= np.float32(scale)
-        qp = q_pos[t0 : t0 + tb, None]
-        kp = k_pos[None, :]
-        allowed = (kp >= 0) & (kp <= qp) if causal else np.broadcast_to(kp >= 0, (tb, kp.shape[1]))
-        if window is not None:
-            allowed = allowed & ((kp > qp - window) if causal else (np.abs(kp - qp) <= window))
-        if not allowed.all():
-            scores = np.where(allowed[None, :, None, :], scores, MASKED)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        o = scores.reshape(kv, tb * g, -1) @ vt  # [kv, tb*g, D]
-        out[t0 : t0 + tb] = o.reshape(kv, tb, g, D).transpose(1, 0, 2, 3).reshape(tb, nq * D)
+    heads_out = out.reshape(T, kv, g, D)
+    fill = MASKED / np.float32(scale) if scale else MASKED  # MASKED once scaled
+
+    def heads(hs: range) -> None:
+        for t0 in range(0, T, QUERY_BLOCK):
+            qb = q[t0 : t0 + QUERY_BLOCK]
+            tb = qb.shape[0]
+            qp = q_pos[t0 : t0 + tb, None]
+            kp = k_pos[None, :]
+            allowed = (kp >= 0) & (kp <= qp) if causal else np.broadcast_to(kp >= 0, (tb, kp.shape[1]))
+            if window is not None:
+                allowed = allowed & ((kp > qp - window) if causal else (np.abs(kp - qp) <= window))
+            masked = None if allowed.all() else ~allowed
+            for h in hs:
+                scores = qb[:, h * g : (h + 1) * g].reshape(tb * g, D) @ kt[h]  # rows (token, head of the group)
+                if masked is not None:
+                    scores3 = scores.reshape(tb, g, -1)
+                    scores3[np.broadcast_to(masked[:, None, :], scores3.shape)] = fill
+                softmax_rows_serial(scores, np.float32(scale))
+                heads_out[t0 : t0 + tb, h] = (scores @ vt[h]).reshape(tb, g, D)
+
+    n = min(kv, numba.get_num_threads())
+    if n <= 1 or T < THREADED_HEADS_MIN_ROWS:
+        heads(range(kv))
+        return out
+    pool, blas = _head_pool()
+    with blas.limit(limits=1, user_api="blas"):
+        for f in [pool.submit(heads, range(i, kv, n)) for i in range(n)]:
+            f.result()
     return out

@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit, prange
 
 from .common import h2f, nibbles
-from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_int16
+from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_int16, round_u8, u8_tile_dot
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 _FAST = dict(_JIT, fastmath=True)
@@ -194,6 +194,47 @@ def i8_mm_w8a16(q, scale, xq, xd, out):
         for t in range(t_all):
             for i in range(r, min(n, r + 4)):
                 out[t, i] *= scale[i]
+
+
+@njit(parallel=True, **_JIT)
+def i8_block_corr(q, block, corr):
+    """``corr[b, r] = -128 * sum(q[r, b*block : (b+1)*block])``: what the +128 offset of the
+    uint8 activations adds to a block's dot product (`i8_mm_w8a8`), once per matrix."""
+    for r in prange(q.shape[0]):
+        for b in range(corr.shape[0]):
+            s = 0
+            for j in range(b * block, b * block + block):
+                s += q[r, j]
+            corr[b, r] = -128 * s
+
+
+@njit(parallel=True, **_FAST)
+def round_u8_rows(x, xu, xd):
+    """``simd.round_u8`` for every row of ``x`` (prefill activations, ``k`` a multiple of
+    U8_BLOCK), in parallel; the scales ``xd`` come transposed, ``[k // U8_BLOCK, T]``."""
+    for t in prange(x.shape[0]):
+        round_u8(x, xu, xd, t)
+
+
+@njit(parallel=True, **_FAST)
+def i8_mm_w8a8(q, corr, scale, xu, xd, t_lo, t_hi, out):
+    """Prefill with int8 activations on VNNI (``u8_tile_dot``): tiles of 8 rows x 2 tokens over
+    tokens ``t_lo .. t_hi - 1``, each task one 8-row strip against those tokens (the strip stays
+    in L1, the tokens' activations in L2). Rows past the last whole strip go one at a time."""
+    n = q.shape[0]
+    for b in prange((n + 7) // 8):
+        r = 8 * b
+        if r + 8 <= n:
+            t = t_lo
+            while t + 2 <= t_hi:
+                u8_tile_dot(q, corr, xu, xd, r, t, out, scale, 8, 2)
+                t += 2
+            if t < t_hi:
+                u8_tile_dot(q, corr, xu, xd, r, t, out, scale, 8, 1)
+        else:
+            for i in range(r, n):
+                for t in range(t_lo, t_hi):
+                    u8_tile_dot(q, corr, xu, xd, i, t, out, scale, 1, 1)
 
 
 @njit(**_JIT)

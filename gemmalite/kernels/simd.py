@@ -20,8 +20,8 @@ from numba.extending import intrinsic
 
 from .common import half_to_f32_ir
 
-__all__ = ["int16_activation_rows", "round_int16", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
-           "block_row_dot", "TILE_BLOCK"]
+__all__ = ["int16_activation_rows", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
+           "u8_tile_dot", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
@@ -242,6 +242,7 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
 
 
 TILE_BLOCK = 256  # activation values per int16 scale in the matrix-matrix (prefill) kernel
+U8_BLOCK = 256  # activation values per int8 scale in the VNNI prefill kernel (128 measured no closer)
 
 
 def _tile_dot_codegen(rt: int, tt: int):
@@ -310,6 +311,182 @@ def _tile_dot_codegen(rt: int, tt: int):
     return codegen
 
 
+def _vpdpbusd(builder):
+    """``llvm.x86.avx512.vpdpbusd.256``: acc + sums of four u8 * s8 products per int32 lane (32
+    multiply-adds per instruction; AVX-512 VNNI + VL or AVX-VNNI). The ``<8 x i32>`` operand form
+    every LLVM since 9 accepts (newer ones upgrade it to their ``<32 x i8>`` form)."""
+    v = _vec(_I32, 8)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(v, [v, v, v]),
+                                          "llvm.x86.avx512.vpdpbusd.256")
+
+
+def _lane_sums(builder, vecs):
+    """Eight-lane vectors ``v_0 .. v_{m-1}`` -> ``ceil(m / 8)`` vectors whose lane ``p`` holds the sum
+    of the lanes of ``v_{8i + p}`` (a transposing tree: 7 adds for 8 sums instead of 56)."""
+    zero = ir.Constant(vecs[0].type, [0] * 8)
+    vecs = vecs + [zero] * (-len(vecs) % 8)
+    out = []
+    for k in range(0, len(vecs), 8):
+        level = vecs[k:k + 8]
+        for width in (1, 2, 4):  # pair up: lanes in runs of `width` from a, then from b
+            lo = [p for base in range(0, 8, 2 * width) for p in (*range(base, base + width),
+                                                                    *range(8 + base, 8 + base + width))]
+            hi = [p + width for p in lo]
+            level = [builder.add(builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), lo)),
+                                 builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), hi)))
+                     for a, b in zip(level[0::2], level[1::2])]
+        out.append(level[0])
+    return out
+
+
+def _spread(builder, ptr, count: int, lane_of, nvec: int, ety):
+    """Load ``count`` consecutive values from ``ptr`` and lay them out over ``nvec`` eight-lane
+    vectors: lane ``p`` of vector ``v`` gets value ``lane_of(8v + p)`` (any one where it is None)."""
+    vals = builder.load(builder.bitcast(ptr, _vec(ety, count).as_pointer()), align=1)
+    return [builder.shuffle_vector(vals, vals, ir.Constant(_vec(_I32, 8), [
+        (lane_of(8 * v + p) if lane_of(8 * v + p) is not None else 0) for p in range(8)]))
+        for v in range(nvec)]
+
+
+def _round_u8_codegen(context, builder, signature, args):
+    """IR of `round_u8`: per block, the max of |x| over eight-lane vectors, then ``x / d`` rounded
+    to nearest even (``cvtps2dq``, like ``np.rint``), +128, narrowed to bytes. (numba leaves a
+    float max reduction scalar: 2 values per ns against ~16 here.)"""
+    xty, uty, dty, _ = signature.args
+    xa = context.make_array(xty)(context, builder, args[0])
+    ua = context.make_array(uty)(context, builder, args[1])
+    da = context.make_array(dty)(context, builder, args[2])
+    t = args[3]
+    k = cgutils.unpack_tuple(builder, xa.shape)[1]
+    nkb, t_all = cgutils.unpack_tuple(builder, da.shape)
+    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    f8 = _vec(_F32, 8)
+    cvt = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vec(_I32, 8), [f8]),
+                                         "llvm.x86.avx.cvt.ps2dq.256")
+    fmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8]), "llvm.maxnum.v8f32")
+    fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8]), "llvm.fabs.v8f32")
+    xrow = builder.gep(xa.data, [builder.mul(t, k)], inbounds=True)
+    urow = builder.gep(ua.data, [builder.mul(t, k)], inbounds=True)
+    entry, head, body, done = _open_loop(builder, "roundu8")
+    kb = builder.phi(_I64)
+    kb.add_incoming(c64(0), entry)
+    builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
+
+    builder.position_at_end(body)
+    base = builder.mul(kb, c64(U8_BLOCK))
+    xs = [_load_vec(builder, xrow, builder.add(base, c64(8 * c)), f8) for c in range(U8_BLOCK // 8)]
+    m = [builder.call(fabs, [v]) for v in xs]
+    while len(m) > 1:
+        m = [builder.call(fmax, [a, b]) for a, b in zip(m[0::2], m[1::2])]
+    m = m[0]
+    for width in (4, 2, 1):
+        m = builder.call(fmax, [m, builder.shuffle_vector(m, m, ir.Constant(_vec(_I32, 8), [
+            (p + width) % 8 for p in range(8)]))])
+    amax = builder.extract_element(m, ir.Constant(_I32, 0))
+    d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
+    builder.store(d, builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t)], inbounds=True))
+    pos = builder.fcmp_ordered(">", d, ir.Constant(_F32, 0.0))
+    inv = _splat(builder, builder.select(pos, builder.fdiv(ir.Constant(_F32, 1.0), d), ir.Constant(_F32, 0.0)), 8)
+    off = ir.Constant(_vec(_I32, 8), [128] * 8)
+    for c, v in enumerate(xs):
+        q = builder.add(builder.call(cvt, [builder.fmul(v, inv)]), off)
+        dst = builder.gep(urow, [builder.add(base, c64(8 * c))], inbounds=True)
+        builder.store(builder.trunc(q, _vec(_I8, 8)), builder.bitcast(dst, _vec(_I8, 8).as_pointer()), align=1)
+    kb.add_incoming(builder.add(kb, c64(1)), body)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def round_u8(typingctx, x, xu, xd, t):
+    """Row ``t`` of the activations ``x [T, k]`` float32 -> int8 per block of U8_BLOCK values
+    (scale ``xd[b, t]`` = max|x| / 127, round to nearest even, values in [-127, 127]) stored
+    offset by +128 in ``xu [T, k]`` uint8: the unsigned operand of ``vpdpbusd``
+    (`u8_tile_dot` takes the offset back out with the weights' block sums). ``xd [k // B, T]``
+    float32 (transposed: a tile reads its tokens' scales together). Rounding error <= xd / 2."""
+    return types.void(x, xu, xd, t), _round_u8_codegen
+
+
+def _u8_tile_codegen(rt: int, tt: int):
+    """IR for an ``rt`` rows x ``tt`` tokens tile of ``out = scale * (x @ q.T)`` with int8
+    activations: ``vpdpbusd`` of the uint8 ``x + 128`` against the int8 weights.
+
+    Per block of U8_BLOCK values: ``rt * tt`` int32 accumulators of eight lanes, each weight
+    chunk of 32 bytes loaded once for the ``tt`` tokens and each activation chunk once for the
+    ``rt`` rows; then a transposing tree folds the eight lanes of every (row, token) pair, eight
+    pairs to a vector, the block's offset term ``-128 * sum(q)`` (``corr``, per row and block) is
+    added, exactly, and the pair's sums are converted and scaled by the token's block scale into
+    float32 lanes. At the end the rows' scales are applied and each token's ``rt`` results
+    stored. Pairs are numbered ``p = j * rt + i`` (token j, row i), so with ``rt`` in 1, 2, 4, 8 a
+    token's results are adjacent lanes. A lane of a block sums at most 32 * 4 * 255 * 127,
+    far from overflow.
+    Arguments ``(q [n, k] int8, corr [k // B, n] int32, xu [T, k] uint8, xd [k // B, T] float32,
+    r0, t0, out [T, n] float32, scale [n] float32)``."""
+    npair = rt * tt
+    nvec = (npair + 7) // 8
+
+    def codegen(context, builder, signature, args):
+        qty, cty, xty, dty, _, _, oty, sty = signature.args
+        qa = context.make_array(qty)(context, builder, args[0])
+        ca = context.make_array(cty)(context, builder, args[1])
+        xa = context.make_array(xty)(context, builder, args[2])
+        da = context.make_array(dty)(context, builder, args[3])
+        oa = context.make_array(oty)(context, builder, args[6])
+        sa = context.make_array(sty)(context, builder, args[7])
+        r0, t0 = args[4], args[5]
+        n, k = cgutils.unpack_tuple(builder, qa.shape)
+        nkb, t_all = cgutils.unpack_tuple(builder, da.shape)
+        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        dot = _vpdpbusd(builder)
+        v8 = _vec(_I32, 8)
+        wrow = [builder.gep(qa.data, [builder.mul(builder.add(r0, c64(i)), k)], inbounds=True) for i in range(rt)]
+        xrow = [builder.gep(xa.data, [builder.mul(builder.add(t0, c64(j)), k)], inbounds=True) for j in range(tt)]
+        row_of = lambda p: p % rt if p < npair else None  # noqa: E731
+        tok_of = lambda p: p // rt if p < npair else None  # noqa: E731
+        entry, head, body, done = _open_loop(builder, "u8tile")
+        kb = builder.phi(_I64)
+        kb.add_incoming(c64(0), entry)
+        facc = []
+        for _ in range(nvec):
+            facc.append(builder.phi(_vec(_F32, 8)))
+            facc[-1].add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
+        builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
+
+        builder.position_at_end(body)
+        base = builder.mul(kb, c64(U8_BLOCK))
+        acc = {(i, j): ir.Constant(v8, [0] * 8) for i in range(rt) for j in range(tt)}
+        for c in range(U8_BLOCK // 32):
+            off = builder.add(base, c64(32 * c))
+            ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
+            xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
+            for j in range(tt):
+                for i in range(rt):
+                    acc[i, j] = builder.call(dot, [acc[i, j], xs[j], ws[i]])
+        sums = _lane_sums(builder, [acc[p % rt, p // rt] for p in range(npair)])
+        corr = _spread(builder, builder.gep(ca.data, [builder.add(builder.mul(kb, n), r0)], inbounds=True),
+                       rt, row_of, nvec, _I32)
+        xd = _spread(builder, builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t0)], inbounds=True),
+                     tt, tok_of, nvec, _F32)
+        for v in range(nvec):
+            exact = builder.sitofp(builder.add(sums[v], corr[v]), _vec(_F32, 8))
+            facc[v].add_incoming(_fma(builder, exact, xd[v], facc[v]), body)
+        kb.add_incoming(builder.add(kb, c64(1)), body)
+        builder.branch(head)
+
+        builder.position_at_end(done)
+        scale = _spread(builder, builder.gep(sa.data, [r0], inbounds=True), rt, row_of, nvec, _F32)
+        res = [builder.fmul(f, s, flags=_EXACT) for f, s in zip(facc, scale)]
+        for j in range(tt):
+            v, lane = divmod(j * rt, 8)
+            part = builder.shuffle_vector(res[v], res[v], ir.Constant(_vec(_I32, rt), list(range(lane, lane + rt))))
+            dst = builder.gep(oa.data, [builder.add(builder.mul(builder.add(t0, c64(j)), n), r0)], inbounds=True)
+            builder.store(part, builder.bitcast(dst, _vec(_F32, rt).as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 def _literal(t, allowed) -> bool:
     return isinstance(t, types.IntegerLiteral) and t.literal_value in allowed
 
@@ -362,6 +539,19 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
         return None
     inner = _tile_dot_codegen(rt.literal_value, tt.literal_value)
     return types.void(q, xq, xd, r0, t0, out, rt, tt), _first_args(inner, 6)
+
+
+@intrinsic
+def u8_tile_dot(typingctx, q, corr, xu, xd, r0, t0, out, scale, rt, tt):
+    """``out[t, r] = scale[r] * sum_b xd[b, t] * (sum_i q[r, bB + i] * xu[t, bB + i] + corr[b, r])``
+    (B = U8_BLOCK; ``xu`` = int8 activations + 128, ``corr[b, r] = -128 * sum_i q[r, bB + i]``,
+    so the bracket is the exact integer dot product of the signed values) for rows ``r0 .. r0 +
+    rt - 1`` and tokens ``t0 .. t0 + tt - 1``; ``rt`` a literal in 1, 2, 4, 8 and ``tt`` in 1-4.
+    Needs VNNI (`kernels.common.HAVE_VNNI`). All arrays C-contiguous, ``k`` a multiple of B."""
+    if not (_literal(rt, (1, 2, 4, 8)) and _literal(tt, range(1, 5))):
+        return None
+    inner = _u8_tile_codegen(rt.literal_value, tt.literal_value)
+    return types.void(q, corr, xu, xd, r0, t0, out, scale, rt, tt), _first_args(inner, 8)
 
 
 @intrinsic

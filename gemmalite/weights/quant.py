@@ -6,7 +6,9 @@ rows (T <= FEW_ROWS, AVX2: a decode step or a prompt-lookup verification step; e
 computed bit for bit as alone), which round ``x`` to int16 per group (the int4 grid's groups; 32 values for
 int8; step ``max|x| / 32767``: W8A16 / W4A16, as NPUs run them) so that the products are
 exact 16-bit integer multiply-adds (:mod:`gemmalite.kernels.simd`); that rounding is ~100 times
-smaller than the int8 weight error and ~1e4 times smaller than the int4 one.
+smaller than the int8 weight error and ~1e4 times smaller than the int4 one. int8 prefill
+(T > FEW_ROWS, AVX2) rounds ``x`` too: to int16 per TILE_BLOCK values, or on VNNI to int8
+(W8A8, step ``max|x| / 127``: an error of the same order as the int8 weights' own).
 
 Formats (what ``tensors()`` returns and ``from_tensors()`` reads; the converter stores them in
 safetensors under ``<name>.<key>``):
@@ -35,9 +37,12 @@ a few outliers when that lowers the weighted error; the stored values are then u
 re-round, so dequantization error is at most ``scale/2`` for every weight inside the grid.
 
 Kernels (numba, in `gemmalite.kernels.quant`): ``matmul`` with ``T <= FEW_ROWS`` runs fused numba kernels (``prange`` over output
-rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles of 4
-rows x 2 tokens with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s on this machine,
-2-3x the float32 BLAS path); int4, and CPUs without AVX2, dequantize row blocks into one
+rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles; with
+VNNI (``common.HAVE_VNNI``) the activations are rounded to int8 per TILE_BLOCK values (W8A8:
+step ``max|x| / 127``, about the weights' own error) and tiles of 8 rows x 2 tokens take 8-bit
+dot products (``simd.u8_tile_dot``, ~550-680 GOP/s here); otherwise tiles of 4 rows x 2 tokens
+with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s, 2-3x the float32 BLAS path); int4,
+and CPUs without AVX2, dequantize row blocks into one
 reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
 machine both int8 and int4 decode run near memory bandwidth (the portable float int4 kernel
 is bound by nibble unpacking at ~6 GB/s). Thread pools: numba's OpenMP workers and
@@ -51,8 +56,9 @@ import numpy as np
 from ..kernels import common
 from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
-                             i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
-from ..kernels.simd import TILE_BLOCK, int16_activation_rows
+                             i8_block_corr, i8_mm_w8a8, i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize,
+                             round_int16_rows, round_u8_rows)
+from ..kernels.simd import TILE_BLOCK, U8_BLOCK, int16_activation_rows
 from .matrix import Matrix
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
@@ -109,6 +115,7 @@ class Int8Matrix(_Quantized):
         self.q = np.ascontiguousarray(q)  # no copy when already contiguous (memory-mapped)
         self.scale = np.ascontiguousarray(scale)
         self.shape = q.shape
+        self._corr: np.ndarray | None = None  # VNNI prefill: -128 * block sums of q, made on first use
 
     @property
     def uses_blas(self) -> bool:
@@ -154,7 +161,9 @@ class Int8Matrix(_Quantized):
         x = _check_x(x, self.shape[1])
         t = x.shape[0]
         if t > common.FEW_ROWS:
-            return self._matmul_blocked(x) if self.uses_blas else self._matmul_w8a16(x)
+            if self.uses_blas:
+                return self._matmul_blocked(x)
+            return self._matmul_w8a8(x) if common.HAVE_VNNI else self._matmul_w8a16(x)
         if self._int16_rows():
             return self._rows_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
@@ -189,6 +198,22 @@ class Int8Matrix(_Quantized):
         for t0 in range(0, t, TOKEN_CHUNK):
             t1 = min(t, t0 + TOKEN_CHUNK)
             i8_mm_w8a16(self.q, self.scale, xq[t0:t1], xd[t0:t1], out[t0:t1])
+        return out
+
+    def _matmul_w8a8(self, x: np.ndarray) -> np.ndarray:
+        """Prefill on VNNI: x rounded to int8 per U8_BLOCK values (W8A8; the activation error is
+        about the weights' own), 8-bit dot products, TOKEN_CHUNK tokens at a time."""
+        t, k = x.shape
+        if self._corr is None:
+            corr = np.empty((k // U8_BLOCK, self.shape[0]), dtype=np.int32)
+            i8_block_corr(self.q, U8_BLOCK, corr)
+            self._corr = corr
+        xu = np.empty((t, k), dtype=np.uint8)
+        xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
+        round_u8_rows(x, xu, xd)
+        out = np.empty((t, self.shape[0]), dtype=np.float32)
+        for t0 in range(0, t, TOKEN_CHUNK):
+            i8_mm_w8a8(self.q, self._corr, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
         return out
 
     def __repr__(self):

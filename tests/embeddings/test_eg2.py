@@ -269,6 +269,26 @@ def gentle_ckpt(tmp_path_factory):
     return path, model
 
 
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "int16"])
+def test_int8_prefill_paths_cosine(tmp_path, monkeypatch, vnni):
+    """int8 with every projection of the integer-tile width (a multiple of 256): the prefill runs
+    the VNNI kernel (int8 activations) or the portable int16 one, both at the int8 bound."""
+    from gemmalite.kernels import common
+
+    if not common.HAVE_AVX2 or (vnni and not common.HAVE_VNNI):
+        pytest.skip("no AVX2 / VNNI on this CPU")
+    monkeypatch.setattr(common, "HAVE_VNNI", vnni)
+    model = o.make_eg2_checkpoint(tmp_path, seed=2, gentle=True, hidden_size=256, intermediate_size=512,
+                                  head_dim=64, global_head_dim=64, hidden_size_per_layer_input=16)
+    seqs = _ids(np.random.RandomState(1), [7, 60, 200])
+    emb = load_embedder(tmp_path, quant="int8")
+    got = emb.embed_ids(seqs)
+    assert o.cosine_rows(o.ref_embed_ids(model, seqs), got).min() >= 0.999
+    wide = [m for w in emb.graph.layers for m in w.matrices() if m.shape[1] % 256 == 0]
+    assert len(wide) >= 7 * len(emb.graph.layers)  # q, k, v, o, gate, up, down
+    assert all((m._corr is not None) == vnni for m in wide)  # the VNNI kernel ran on each, or none
+
+
 @pytest.mark.parametrize("quant,bound", [("int8", 0.999), ("int4", 0.99)])
 def test_quantized_cosine(gentle_ckpt, tmp_path, quant, bound):
     from gemmalite.tools.convert import convert

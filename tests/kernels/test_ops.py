@@ -144,3 +144,34 @@ def test_apply_rope_is_the_rotate_half_expression_to_the_bit(shape):
     assert np.array_equal(apply_rope(x, cos, sin), reference(x))
     wide = np.concatenate([x, x], axis=-1)[..., : shape[2]]  # a strided view, as the vision tower passes
     assert np.array_equal(apply_rope(wide, cos, sin), reference(wide))
+
+
+def test_softmax_rows_matches_float64():
+    """The fused softmax of the BLAS attention (its own vectorizing exp) against float64."""
+    from numba import njit
+
+    from gemmalite.kernels.numba_ops import exp_nonpositive, softmax_rows
+
+    @njit
+    def exps(x, out):
+        for i in range(x.size):
+            out[i] = exp_nonpositive(x[i])
+
+    x = -np.concatenate([np.linspace(0, 87, 100001), [87.5, 100, 1e30]]).astype(np.float32)
+    e = np.empty_like(x)
+    exps(x, e)
+    want = np.exp(x.astype(np.float64))
+    # float32 argument reduction: relative error ~ 1.5 |x| 2^-24, plus the polynomial's few ulps
+    bound = (5e-7 + 1e-7 * np.abs(x[:-3])) * want[:-3] + 1e-44
+    assert np.all(np.abs(e[:-3] - want[:-3]) <= bound) and np.all(e[-3:] == 0)
+    rng = np.random.default_rng(0)
+    s = (rng.standard_normal((37, 203)) * 20).astype(np.float32)
+    s[1, ::3] = -1e30  # masked keys
+    s[2] = -1e30  # a row that sees nothing: uniform, as the float64 formula gives
+    ref = s.astype(np.float64) * 0.3
+    ref = np.exp(ref - ref.max(1, keepdims=True))
+    ref /= ref.sum(1, keepdims=True)
+    got = s.copy()
+    softmax_rows(got, np.float32(0.3))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-9)
+    assert np.all(got[1, ::3] == 0)

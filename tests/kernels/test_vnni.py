@@ -1,0 +1,79 @@
+"""int8 prefill on VNNI (`simd.u8_tile_dot` via `quant.i8_mm_w8a8`): activations rounded to int8
+per block, 8-bit dot products, checked against exact integer math in float64."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gemmalite.kernels import common
+from gemmalite.kernels.quant import i8_block_corr, i8_mm_w8a8, round_u8_rows
+from gemmalite.kernels.simd import U8_BLOCK as TILE_BLOCK  # the VNNI kernel's block
+
+pytestmark = pytest.mark.skipif(not (common.HAVE_AVX2 and common.HAVE_VNNI),
+                                reason="no AVX-512 VNNI / AVX-VNNI on this CPU (or GEMMALITE_VNNI=0)")
+
+
+def _activations(t, k, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 20, (t, 1))).astype(np.float32)
+    x[:, 3] *= 50  # an outlier channel
+    x[0, :TILE_BLOCK] = 0  # an all-zero block
+    if t > 1:
+        x[1, :TILE_BLOCK] = np.where(np.arange(TILE_BLOCK) % 2, 7.0, -7.0)  # every value at +-max
+    return x
+
+
+def _rounded(x):
+    t, k = x.shape
+    xu = np.empty((t, k), dtype=np.uint8)
+    xd = np.empty((k // TILE_BLOCK, t), dtype=np.float32)
+    round_u8_rows(x, xu, xd)
+    return xu, xd
+
+
+def test_rounding_to_int8_per_block():
+    x = _activations(9, 3 * TILE_BLOCK, 0)
+    xu, xd = _rounded(x)
+    blocks = x.reshape(9, 3, TILE_BLOCK)
+    np.testing.assert_allclose(xd.T, np.abs(blocks).max(2) / np.float32(127), rtol=1e-6)  # (fastmath: * 1/127)
+    xi = xu.astype(np.int64).reshape(9, 3, TILE_BLOCK) - 128
+    assert xi.min() >= -127 and xi.max() <= 127
+    assert np.all(xi[0, 0] == 0) and set(np.unique(xi[1, 0])) == {-127, 127}
+    d = xd.T[:, :, None].astype(np.float64)
+    err = np.abs(xi * d - blocks)  # round to nearest: at most half a step
+    assert np.all(err <= d * (0.5 + 1e-5) + 1e-30)
+
+
+@pytest.mark.parametrize("n,k,t,chunk", [(8, TILE_BLOCK, 2, 2), (37, 3 * TILE_BLOCK, 131, 64),
+                                         (5, 2 * TILE_BLOCK, 7, 3), (203, 4 * TILE_BLOCK, 40, 16)])
+def test_tiles_match_exact_integer_math(n, k, t, chunk):
+    """8x2 tiles, the 8x1 token tail, one-row tails (n % 8), token ranges starting past 0."""
+    rng = np.random.default_rng(n)
+    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    q[0] = 127  # the largest block sums
+    q[-1] = -127
+    scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    x = _activations(t, k, n + 1)
+    xu, xd = _rounded(x)
+    corr = np.empty((k // TILE_BLOCK, n), dtype=np.int32)
+    i8_block_corr(q, TILE_BLOCK, corr)
+    np.testing.assert_array_equal(corr, -128 * q.astype(np.int64).reshape(n, -1, TILE_BLOCK).sum(2).T)
+    out = np.full((t, n), np.nan, dtype=np.float32)
+    for t0 in range(0, t, chunk):
+        i8_mm_w8a8(q, corr, scale, xu, xd, t0, min(t, t0 + chunk), out)
+    xi = xu.astype(np.int64).reshape(t, -1, TILE_BLOCK) - 128
+    dots = np.einsum("tbi,rbi->trb", xi, q.astype(np.int64).reshape(n, -1, TILE_BLOCK))  # exact
+    terms = dots * xd.T[:, None, :].astype(np.float64)
+    ref = terms.sum(2) * scale.astype(np.float64)
+    # float32 conversion, scaling and summing over blocks: a few ulps of the terms' magnitudes
+    bound = 1e-6 * np.abs(terms).sum(2) * scale + 1e-30
+    assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
+
+
+def test_env_forces_the_portable_path():
+    code = "from gemmalite.kernels import common; print(common.HAVE_VNNI)"
+    env = dict(os.environ, GEMMALITE_VNNI="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert r.stdout.strip() == "False"
