@@ -133,6 +133,34 @@ def f32_matmul_small(x, w, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, boundscheck=False)
+def gelu_tanh_inner(a, t):  # pragma: no cover - compiled
+    """``t = (a + 0.044715 a^3) * sqrt(2/pi)`` (flat, contiguous), numpy's order of float32
+    operations (no fastmath: no fused multiply-add), so the bits are numpy's."""
+    a1 = a.reshape(-1)
+    t1 = t.reshape(-1)
+    for i in range(a1.shape[0]):
+        x = a1[i]
+        u = x * x
+        u = u * x
+        u = u * np.float32(0.044715)
+        u = u + x
+        t1[i] = u * np.float32(0.7978845608028654)
+
+
+@njit(cache=True, boundscheck=False)
+def gelu_tanh_outer(a, b, t):  # pragma: no cover - compiled
+    """``t = (t + 1) * a * 0.5 * b`` in place (flat, contiguous; ``t`` = tanh of the inner part)."""
+    a1 = a.reshape(-1)
+    b1 = b.reshape(-1)
+    t1 = t.reshape(-1)
+    for i in range(a1.shape[0]):
+        u = t1[i] + np.float32(1.0)
+        u = u * a1[i]
+        u = u * np.float32(0.5)
+        t1[i] = u * b1[i]
+
+
+@njit(cache=True, boundscheck=False)
 def rope_rows(x, cos, sin, out):  # pragma: no cover - compiled
     """Rotate-half RoPE over ``x [T, heads, D]`` with ``cos``/``sin`` ``[T, D/2]``: the numpy
     expression's products and sums in the same order (no fastmath: no fused multiply-add), so
@@ -150,6 +178,17 @@ def rope_rows(x, cos, sin, out):  # pragma: no cover - compiled
                 out[t, h, i + half] = b * c + a * s
 
 
+@njit(cache=True, fastmath=True, boundscheck=False)
+def sum_squares64(x):  # pragma: no cover - compiled
+    """sum(x^2) of a float32 row in float64, vectorised (fastmath here only: the sum's order is
+    free, float64 keeps it exact to far below float32's rounding; 4x a sequential sum)."""
+    s = 0.0
+    for c in range(x.shape[0]):
+        v = np.float64(x[c])
+        s += v * v
+    return s
+
+
 @njit(cache=True, boundscheck=False)
 def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
     """out = x / sqrt(mean(x^2) + eps) * w per row of 2-D ``x`` (``w`` empty: scale-free).
@@ -159,10 +198,7 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
     rows, d = x.shape
     has_w = w.shape[0] > 0
     for r in range(rows):
-        s = 0.0
-        for c in range(d):
-            v = np.float64(x[r, c])
-            s += v * v
+        s = sum_squares64(x[r])
         inv = np.float32((s / d + eps) ** -0.5)
         if has_w:
             for c in range(d):
