@@ -6,6 +6,7 @@ import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..settings import announce_first_compile
@@ -50,6 +51,25 @@ def bf2f(typingctx, b):
     def codegen(context, builder, signature, args):
         wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint the CPU to bring ``arr.flat[index]``'s cache line in (``llvm.prefetch``: read, keep
+    in all levels); no effect on results. For weights streamed from memory at a pace the
+    hardware prefetcher does not anticipate (a product's next rows while this row computes)."""
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
 
     return sig, codegen
 

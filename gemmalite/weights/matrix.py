@@ -15,6 +15,7 @@ tokenization or sampling.
 from __future__ import annotations
 
 import threading
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,15 @@ def _prefill_rows(cols: int) -> int:
     return int(min(1024, max(256, b - b % 64)))
 
 
+class Prepared(NamedTuple):
+    """An input converted once for several products (`Matrix.prepare`): ``kind`` names the
+    conversion, ``data`` holds it; a matrix that cannot use it multiplies ``x``."""
+
+    x: np.ndarray
+    kind: str
+    data: Any
+
+
 class Matrix:
     """Base class: a 2-D weight of shape ``(rows, cols)`` = ``(out, in)``."""
 
@@ -65,6 +75,15 @@ class Matrix:
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+        """``x`` in the form this format's products take, for several matrices of the same input
+        width and format (`matmul_all`); formats without a conversion return ``x``."""
+        return x
+
+    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+        """``matmul`` of an input from `prepare` (of this matrix or a sibling)."""
+        return self.matmul(p.x if isinstance(p, Prepared) else p)
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         """``matmul`` of each row of ``x`` on its own: row ``i`` of the result equals
@@ -186,6 +205,15 @@ class HalfMatrix(Matrix):
 
     def __repr__(self):
         return f"HalfMatrix{self.shape}({'bfloat16' if self._bf16 else 'float16'})"
+
+
+def matmul_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
+    """``[m.matmul(x) for m in mats]`` with the input converted once (q/k/v, gate/up: int8's
+    int16 rounding of a prefill input is then done once, not per matrix)."""
+    if len(mats) == 1:
+        return [mats[0].matmul(x)]
+    p = mats[0].prepare(x)
+    return [m.matmul_prepared(p) for m in mats]
 
 
 def as_matrix(w: np.ndarray, *, keep_half: bool = False) -> Matrix:

@@ -53,7 +53,7 @@ from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
                              i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize, round_int16_rows)
 from ..kernels.simd import TILE_BLOCK, int16_activation_rows
-from .matrix import Matrix
+from .matrix import Matrix, Prepared
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 
@@ -69,6 +69,15 @@ def _as_f32_block(w: np.ndarray) -> np.ndarray:
 
 def _ids(ids) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+def _round_tiles(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as the prefill tiles take it: int16 values and a scale per TILE_BLOCK values."""
+    t, k = x.shape
+    xq = np.empty((t, k), dtype=np.int16)
+    xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
+    round_int16_rows(x, TILE_BLOCK, xq, xd)
+    return xq, xd
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -170,13 +179,24 @@ class Int8Matrix(_Quantized):
         i8_mvn_w8a16(self.q, self.scale, xq, xd, 4 if self.shape[1] >= LONG_ROW_SIMD else 1, out)
         return out
 
-    def _matmul_w8a16(self, x: np.ndarray) -> np.ndarray:
-        """Prefill: x rounded to int16 per TILE_BLOCK values, integer tiles, TOKEN_CHUNK tokens at
-        a time (so that a chunk of x stays in L2 while every weight strip passes by)."""
+    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+        """Prefill input: rounded to int16 once for every matrix it multiplies (q/k/v, gate/up)."""
+        x = _check_x(x, self.shape[1])
+        if x.shape[0] <= common.FEW_ROWS or self.uses_blas:
+            return x
+        return Prepared(x, "int16-tiles", _round_tiles(x))
+
+    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+        if isinstance(p, Prepared) and p.kind == "int16-tiles" and p.x.shape[1] == self.shape[1] and not self.uses_blas:
+            return self._matmul_w8a16(p.x, p.data)
+        return super().matmul_prepared(p)
+
+    def _matmul_w8a16(self, x: np.ndarray, rounded: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Prefill: x rounded to int16 per TILE_BLOCK values (``rounded``: already), integer tiles,
+        TOKEN_CHUNK tokens at a time (so that a chunk of x stays in L2 while every weight strip
+        passes by)."""
         t, k = x.shape
-        xq = np.empty((t, k), dtype=np.int16)
-        xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
-        round_int16_rows(x, TILE_BLOCK, xq, xd)
+        xq, xd = rounded if rounded is not None else _round_tiles(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
             t1 = min(t, t0 + TOKEN_CHUNK)
