@@ -290,3 +290,17 @@ def test_int8_long_rows_use_the_four_row_kernel_exactly():
     ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
     got = m.matmul(x)
     assert np.abs(got - ref).max() <= 1e-5 * (np.abs(x) @ np.abs(m.dense()).T).max()
+
+
+@pytest.mark.parametrize("t", [1, 18])
+def test_matmul_all_shares_the_rounding_to_the_bit(t):
+    """q/k/v-style products of one input (`matmul_all`): each result is the matrix's own
+    `matmul` to the bit, whatever the mix of formats (a float32 one takes ``x`` as it is)."""
+    from gemmalite.weights.matrix import F32Matrix, matmul_all
+
+    rng = np.random.default_rng(t)
+    ws = [rng.standard_normal((n, 512)).astype(np.float32) for n in (64, 32, 48)]
+    mats = [Int8Matrix.quantize(ws[0]), Int8Matrix.quantize(ws[1]), F32Matrix(ws[2])]
+    x = rng.standard_normal((t, 512)).astype(np.float32)
+    for m, y in zip(mats, matmul_all(mats, x)):
+        assert np.array_equal(y, m.matmul(x))
