@@ -34,14 +34,14 @@ def _w(rows, cols, seed=0, dist="normal"):
 
 def _activation_step(m, x):
     """Half the int16 rounding step of each activation where the kernel quantizes them (with
-    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int8 prefill
-    per TILE_BLOCK values;
+    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int4 up to
+    INT4_SHORT_ROWS rows per group; int8 prefill per TILE_BLOCK values;
     step = max|x| / 32767), else 0: the kernel's only error beyond float32."""
     t, k = x.shape
     if not common.HAVE_AVX2:
         return np.zeros_like(x)
     if isinstance(m, Int4Matrix):
-        group = m.group if t <= common.FEW_ROWS else 0
+        group = m.group if t <= quant.INT4_SHORT_ROWS else 0
     elif t <= common.FEW_ROWS:
         group = 32
     else:
