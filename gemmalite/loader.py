@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
 from .formats.folder import load_folder, read_json, read_tensors
@@ -113,6 +112,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tmp = load_tokenizer_folder(p.parent) if p.name == "tokenizer.json" else None
         if tmp is not None:
             return tmp
+        from tokenizers import Tokenizer as HFTokenizer
+
         try:
             return Tokenizer(HFTokenizer.from_file(str(p)), special_tokens={"bos_token": "<bos>", "eos_token": "<eos>"},
                              add_bos=True)

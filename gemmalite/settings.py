@@ -6,8 +6,10 @@ the user already set in the environment always wins. Nothing here imports numba 
 * **Kernel cache outside the package.** numba's default cache is a ``__pycache__`` folder
   beside the source: inside site-packages, where pip leaves it behind on reinstall and a later
   import then finds an empty namespace package instead of gemmalite. Here it lives under the
-  user's cache folder, keyed by gemmalite version, numba version and CPU, so an upgrade (or a
-  different CPU on a shared home folder) compiles afresh instead of loading stale code.
+  user's cache folder, keyed by gemmalite version, a digest of the kernel sources, numba version
+  and CPU, so an upgrade, an edited kernel (numba would not notice a change in an inlined
+  helper's file) or a different CPU on a shared home folder compiles afresh instead of loading
+  stale code.
 * **Threads that spin briefly, then sleep.** OpenMP workers (numba's ``omp`` layer) and OpenBLAS
   workers wait at the end of every parallel region. libgomp's default spin (300000) or an
   unbounded one (``OMP_WAIT_POLICY=ACTIVE``) takes, on a busy machine, the time slices the other
@@ -60,7 +62,17 @@ def _cpu_key() -> str:
 
 
 def _numba_version() -> str:
+    """numba's installed version, from its dist-info folder name (importlib.metadata costs ~20 ms
+    of imports at every start; it is the fallback)."""
     try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("numba")
+        if spec is not None and spec.origin:
+            site = Path(spec.origin).parent.parent
+            found = [p.name[len("numba-"):-len(".dist-info")] for p in site.glob("numba-*.dist-info")]
+            if len(found) == 1:
+                return found[0]
         from importlib.metadata import version
 
         return version("numba")
@@ -68,9 +80,24 @@ def _numba_version() -> str:
         return "unknown"
 
 
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+
+
+def _kernels_key(folder: Path | None = None) -> str:
+    """A digest of the kernel sources. numba checks a cached kernel only against its own file's
+    time stamp, never against the files of the kernels and intrinsics it inlined: a kernel
+    compiled against an older ``simd.py`` would be loaded after an edit there (a wrong result,
+    no error). Keying the folder on every kernel source makes any change compile afresh."""
+    h = hashlib.sha256()
+    for p in sorted((folder or KERNELS_DIR).glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:10]
+
+
 def numba_cache_dir() -> Path:
-    """Where this gemmalite + numba + CPU combination keeps its compiled kernels."""
-    return cache_root() / "numba" / f"gemmalite-{VERSION}-numba-{_numba_version()}-cpu-{_cpu_key()}"
+    """Where this gemmalite + kernel sources + numba + CPU combination keeps its compiled kernels."""
+    return (cache_root() / "numba"
+            / f"gemmalite-{VERSION}-{_kernels_key()}-numba-{_numba_version()}-cpu-{_cpu_key()}")
 
 
 def _writable_dir(path: Path) -> Path:

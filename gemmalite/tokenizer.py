@@ -1,6 +1,7 @@
 """Tokenizer and chat template.
 
-Tokenization is the `tokenizers` library on the checkpoint's tokenizer.json. The chat
+Tokenization is the `tokenizers` library on the checkpoint's tokenizer.json, or (GGUF
+SentencePiece vocabularies) `formats.spm.SPMTokenizer`, which offers the same methods. The chat
 template is rendered with jinja2 the way transformers renders it (sandboxed environment,
 ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
 does not escape HTML, the special tokens as variables), so the prompt text is identical.
@@ -10,14 +11,13 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
-
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-from tokenizers import Tokenizer as HFTokenizer
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from .errors import InputError, TokenizerError
+
+if TYPE_CHECKING:  # jinja2 and tokenizers load when first needed: a GGUF model's first token needs neither
+    import jinja2
+    from tokenizers import Tokenizer as HFTokenizer
 
 # Used when a checkpoint carries no chat template: the family's turn format.
 GEMMA4_FALLBACK_TEMPLATE = (
@@ -36,10 +36,21 @@ FALLBACK_TEMPLATES = {"gemma4": GEMMA4_FALLBACK_TEMPLATE, "gemma3": GEMMA3_FALLB
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
+class Backend(Protocol):
+    """The part of `tokenizers.Tokenizer` that `Tokenizer` uses (``encode(...).ids``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def id_to_token(self, tid: int) -> str | None: ...
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int: ...
+    def save(self, path: str) -> None: ...
+
+
 class Tokenizer:
     """Text <-> ids, plus the chat template. ``encode`` adds ``<bos>`` like transformers does."""
 
-    def __init__(self, tk: HFTokenizer, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+    def __init__(self, tk: HFTokenizer | Backend, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
                  add_bos: bool | None = None):
         self.tk = tk
         self.chat_template = chat_template  # the checkpoint's own, or None
@@ -86,6 +97,8 @@ class Tokenizer:
         if self._template is None:
             self._template = compile_template(self.chat_template or self.fallback_template)
         tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        import jinja2
+
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=documents, **{**self.special_tokens, **kwargs})
@@ -136,6 +149,10 @@ def _is_byte_token(piece: str | None) -> bool:
 
 
 def compile_template(source: str) -> jinja2.Template:
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
 
@@ -165,6 +182,8 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
     path = folder / "tokenizer.json"
     if not path.exists():
         return None
+    from tokenizers import Tokenizer as HFTokenizer
+
     try:
         tk = HFTokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
@@ -221,6 +240,7 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
 def fallback_tokenizer() -> Tokenizer:
     """A small byte-level tokenizer with the Gemma special ids, for when no real vocabulary is at hand."""
     from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "<|turn>": 105, "<turn|>": 106}
     vocab |= {f"<unused{i}>": i for i in range(5, 105)}

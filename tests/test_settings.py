@@ -25,9 +25,25 @@ def test_numba_cache_dir_is_keyed_by_versions_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
     d = settings.numba_cache_dir()
     assert d.parent == tmp_path / "numba"
-    assert d.name.startswith(f"gemmalite-{settings.VERSION}-numba-{numba.__version__}-cpu-")
+    assert d.name.startswith(f"gemmalite-{settings.VERSION}-{settings._kernels_key()}-numba-{numba.__version__}-cpu-")
     monkeypatch.setattr(settings, "VERSION", "9.9.9")
     assert settings.numba_cache_dir() != d  # an upgrade compiles afresh
+
+
+def test_numba_cache_dir_changes_with_any_kernel_source(monkeypatch, tmp_path):
+    """numba would reuse a kernel compiled against an older version of a helper it inlined from
+    another file: an edit to any kernel source must move the cache folder."""
+    import shutil
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(settings.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(settings, "KERNELS_DIR", kernels)
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path / "cache"))
+    before = settings.numba_cache_dir()
+    assert settings._kernels_key(kernels) == settings._kernels_key()
+    simd = kernels / "simd.py"
+    simd.write_text(simd.read_text() + "\n# an edit to an inlined helper's file\n")
+    assert settings.numba_cache_dir() != before
 
 
 def test_user_values_win(monkeypatch):

@@ -301,7 +301,8 @@ def load_gguf_parts(path: str | os.PathLike):
         return cfg, hf_tensors(gf), None, None
     try:
         info = special_token_info(gf.metadata)
-        tokenizer = tokenizer_from_gguf_metadata(gf.metadata, cache_key=file_cache_key(gf.path))
+        spm = gf.metadata.get("tokenizer.ggml.model") == "llama"  # built directly, no cache (nor its key)
+        tokenizer = tokenizer_from_gguf_metadata(gf.metadata, None if spm else file_cache_key(gf.path), info)
     except TokenizerError as e:
         raise TokenizerError(f"{gf.path}: {e}") from None
     gen = {"eos_token_id": info["eog_token_ids"], "bos_token_id": info["bos_token_id"],

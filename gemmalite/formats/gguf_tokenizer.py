@@ -1,27 +1,19 @@
-"""A `tokenizers.Tokenizer` built from GGUF tokenizer metadata, reproducing llama.cpp's ids.
+"""The tokenizer a GGUF file's metadata describes, reproducing llama.cpp's ids.
 
-llama.cpp (src/llama-vocab.cpp) tokenizes in two steps, both mirrored here:
-
-1. *Special partition*: every token typed CONTROL, USER_DEFINED or UNKNOWN is cut out of the raw
-   text first (``parse_special=True``). Here they are added tokens matched on the raw text
-   (``normalized=False``): control/unknown ones special, user-defined ones not. (llama.cpp
-   cuts the longest tokens first everywhere, tokenizers matches leftmost-longest; they differ
-   only when two such tokens overlap in the text, and in the Gemma vocabularies none can except
-   runs of one character -- newlines, spaces, tabs -- where both give the same pieces.)
-2. Each remaining fragment, with every ``' '`` replaced by ``'▁'``:
-
-   * ``tokenizer.ggml.model == "llama"`` (Gemma 3, SentencePiece): llama.cpp's SPM session
-     merges, over and over, the adjacent pair whose concatenation is the highest-*score* token
-     (ties: leftmost); characters left without a token become ``<0xNN>`` byte tokens. That is
-     BPE with one merge rule per way of splitting a vocabulary token into two vocabulary
-     tokens, ranked by the score of the result; no pre-splitting, byte fallback.
-   * ``"gemma4"`` (BPE): the fragment is split into runs of newlines and runs of anything
-     else; a newline run that is a token is taken whole, everything else goes through the
-     file's merges (ranked by position), with ``<0xNN>`` byte fallback. That is a ``\\n+``
-     split and BPE with byte fallback: the merges already build every newline-run token
-     (1 to 31 newlines) whole, so no whole-word lookup is needed -- and none may be used,
-     since some tokens (``[multimodal]``) are in the vocabulary but unreachable by merges,
-     and llama.cpp spells them out piece by piece.
+* ``tokenizer.ggml.model == "llama"`` (Gemma 3, SentencePiece): `spm.SPMTokenizer`, llama.cpp's
+  own algorithm on the vocabulary and scores (see that module).
+* ``"gemma4"`` (BPE): a `tokenizers.Tokenizer`. llama.cpp first cuts every token typed CONTROL,
+  USER_DEFINED or UNKNOWN out of the raw text (``parse_special=True``); here they are added
+  tokens matched on the raw text (``normalized=False``): control/unknown ones special,
+  user-defined ones not (llama.cpp cuts the longest first, tokenizers matches leftmost-longest:
+  the same pieces unless two such tokens overlap in the text, which none in the vocabulary can).
+  Each remaining fragment, with every ``' '`` replaced by ``'▁'``, is split into runs of
+  newlines and runs of anything else; a newline run that is a token is taken whole, everything
+  else goes through the file's merges (ranked by position), with ``<0xNN>`` byte fallback. That
+  is a ``\\n+`` split and BPE with byte fallback: the merges already build every newline-run
+  token (1 to 31 newlines) whole, so no whole-word lookup is needed -- and none may be used,
+  since some tokens (``[multimodal]``) are in the vocabulary but unreachable by merges, and
+  llama.cpp spells them out piece by piece.
 
 BOS is prepended when the file says so (llama.cpp forces it on for gemma4).
 """
@@ -32,38 +24,23 @@ import json
 import lzma
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-from tokenizers.models import BPE
 
 from ..errors import TokenizerError
 from ..settings import VERSION, cache_root
 from ..tokenizer import Tokenizer as GemmaTokenizer
 from .gguf import read_gguf
+from .spm import CONTROL, NORMAL, UNKNOWN, USER_DEFINED, SPMTokenizer
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+if TYPE_CHECKING:  # tokenizers loads only for BPE vocabularies
+    from tokenizers import Tokenizer
+
 # llama.cpp marks these end-of-generation by their text (llama_vocab::impl::load)
 _EOG_TEXTS = ("<end_of_turn>", "<eos>", "<turn|>", "<|tool_response>")
 _DATA = Path(__file__).resolve().parent.parent / "data"
 GEMMA4_VOCAB_XZ = _DATA / "gemma4-vocab.gguf.xz"
-
-
-def _spm_merges(tokens: list[str], scores: np.ndarray, types: np.ndarray) -> list[tuple[str, str]]:
-    """Merge rules equivalent to llama.cpp's score-driven SPM merging (see module doc)."""
-    vocab = set(tokens)
-    ranked = []
-    for tid, tok in enumerate(tokens):
-        if types[tid] != NORMAL or len(tok) < 2:
-            continue
-        s = float(scores[tid])
-        for k in range(1, len(tok)):
-            a, b = tok[:k], tok[k:]
-            if a in vocab and b in vocab:
-                ranked.append((-s, tid, k, a, b))
-    ranked.sort()
-    return [(a, b) for _, _, _, a, b in ranked]
 
 
 def _bpe_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -79,46 +56,42 @@ def _bpe_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str
     return out
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
-    """Build the tokenizer a GGUF file's metadata describes, plus facts the runtime needs:
+def tokenizer_from_gguf(meta: dict[str, Any], info: dict[str, Any] | None = None
+                        ) -> tuple[Tokenizer | SPMTokenizer, dict[str, Any]]:
+    """Build the tokenizer a GGUF file's metadata describes (an `SPMTokenizer` for "llama"
+    vocabularies, a `tokenizers.Tokenizer` for "gemma4"), plus facts the runtime needs:
     ``bos/eos/pad/unk_token_id``, ``add_bos``, ``add_eos``, ``eog_token_ids`` (llama.cpp's
-    end-of-generation set), ``chat_template`` and ``model`` ("llama" or "gemma4")."""
-    check_tokenizer_metadata(meta)
-    model = meta.get("tokenizer.ggml.model")
+    end-of-generation set), ``chat_template`` and ``model`` ("llama" or "gemma4"); ``info``: those
+    facts when the caller already has them from `special_token_info`."""
+    info = info or special_token_info(meta)
+    model = info["model"]
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     n = len(tokens)
     types = np.asarray(meta.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int64)
+    if model == "llama":
+        scores = np.asarray(meta.get("tokenizer.ggml.scores", -np.arange(n, dtype=np.float32)))
+        return SPMTokenizer(tokens, scores, types, add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
+                            bos_id=info["bos_token_id"], eos_id=info["eos_token_id"], add_bos=info["add_bos"],
+                            add_eos=info["add_eos"], unk_id=info["unk_token_id"]), info
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
     vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != n:  # duplicates: keep the first id, as llama.cpp's token_to_id does
+    if len(vocab) != n:  # duplicates: keep the first id
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
-    if model == "llama":
-        scores = np.asarray(meta.get("tokenizer.ggml.scores", -np.arange(n, dtype=np.float32)))
-        merges, pre = _spm_merges(tokens, scores, types), None
-    elif model == "gemma4":
-        merges = _bpe_merges(list(meta["tokenizer.ggml.merges"]), vocab)
-        pre = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
-    else:  # check_tokenizer_metadata admits no other
-        raise TokenizerError(f"unsupported GGUF tokenizer model {model!r}")
-
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    merges = _bpe_merges(list(meta["tokenizer.ggml.merges"]), vocab)
+    unk_id = info["unk_token_id"]
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, byte_fallback=True,
                         unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=False))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
-    if model == "llama" and meta.get("tokenizer.ggml.add_space_prefix", False):
-        # llama.cpp prefixes a space to every text fragment that starts the input or follows a
-        # special token: exactly the pieces the added tokens leave to the normalizer
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), tok.normalizer])
-    if pre is not None:
-        tok.pre_tokenizer = pre
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     added = [AddedToken(tokens[i], special=types[i] != USER_DEFINED, normalized=False)
              for i in np.flatnonzero(np.isin(types, (CONTROL, USER_DEFINED, UNKNOWN)))]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
-
-    info = special_token_info(meta)
     if info["add_bos"] and info["bos_token_id"] is not None:
         bos = tokens[info["bos_token_id"]]
         tok.post_processor = processors.TemplateProcessing(
@@ -129,7 +102,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]
 def check_tokenizer_metadata(meta: dict[str, Any]) -> None:
     """TokenizerError naming the first malformed ``tokenizer.ggml.*`` key (a missing vocabulary too)."""
     tokens = meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, list) or not tokens or not _all_str(tokens):
         raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens list (no vocabulary)")
     n = len(tokens)
     if meta.get("tokenizer.ggml.model") not in ("llama", "gemma4"):
@@ -142,12 +115,26 @@ def check_tokenizer_metadata(meta: dict[str, Any]) -> None:
             raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} must be {n} numbers, one per token")
     merges = meta.get("tokenizer.ggml.merges")
     if meta.get("tokenizer.ggml.model") == "gemma4" and not (
-            isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+            isinstance(merges, list) and _all_str(merges)):
         raise TokenizerError("GGUF metadata tokenizer.ggml.merges must be a list of strings")
     for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
         v = meta.get(f"tokenizer.ggml.{key}")
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n):
             raise TokenizerError(f"GGUF metadata tokenizer.ggml.{key} = {v!r} is not a token id below {n}")
+
+
+def _all_str(items: list) -> bool:
+    return set(map(type, items)) <= {str}  # a vocabulary is 262k items: no Python-level loop
+
+
+def _indices(items: list[str], value: str) -> list[int]:
+    """Every position of ``value`` (list.index scans in C)."""
+    out: list[int] = []
+    try:
+        while True:
+            out.append(items.index(value, out[-1] + 1 if out else 0))
+    except ValueError:
+        return out
 
 
 def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +151,7 @@ def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
     if model == "gemma4":
         add_bos = True  # llama.cpp overrides it to true for the gemma4 pre-tokenizer (PR 21500)
     eos = tid("eos_token_id")
-    eog = sorted({i for i, t in enumerate(tokens) if t in _EOG_TEXTS} | ({eos} if eos is not None else set()))
+    eog = sorted({i for t in _EOG_TEXTS for i in _indices(tokens, t)} | ({eos} if eos is not None else set()))
     return {
         "model": model,
         "bos_token_id": tid("bos_token_id"),
@@ -178,15 +165,19 @@ def special_token_info(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tokenizer_from_gguf_metadata(meta: dict[str, Any], cache_key: str | None = None) -> GemmaTokenizer:
-    """The gemmalite `Tokenizer` a GGUF file's (already parsed) metadata describes. With a
-    ``cache_key`` (naming the file's identity), the built tokenizer is kept as tokenizer.json in
-    the user's cache folder: reading it back skips the merge-rule derivation (Gemma 3: half a
-    million rules from the scores, ~60% of the build)."""
-    tk, info = _cached(cache_key) if cache_key else (None, None)
-    if tk is None:
-        tk, info = tokenizer_from_gguf(meta)
-        if cache_key:
+def tokenizer_from_gguf_metadata(meta: dict[str, Any], cache_key: str | None = None,
+                                 info: dict[str, Any] | None = None) -> GemmaTokenizer:
+    """The gemmalite `Tokenizer` a GGUF file's (already parsed) metadata describes. A BPE
+    ("gemma4") vocabulary with a ``cache_key`` (naming the file's identity) is kept as
+    tokenizer.json in the user's cache folder: reading it back skips checking 500k merges. A
+    SentencePiece ("llama") one needs no cache: it is a dict of the tokens."""
+    spm = meta.get("tokenizer.ggml.model") == "llama"
+    tk, cached_info = _cached(cache_key) if cache_key and not spm else (None, None)
+    if tk is not None:
+        info = cached_info
+    else:
+        tk, info = tokenizer_from_gguf(meta, info)
+        if cache_key and not isinstance(tk, SPMTokenizer):
             _store(cache_key, tk, info)
     special = {k: tk.id_to_token(info[k + "_token_id"]) for k in ("bos", "eos", "pad", "unk")
                if info.get(k + "_token_id") is not None}
@@ -209,6 +200,8 @@ def _cache_paths(key: str) -> tuple[Path, Path]:
 
 
 def _cached(key: str) -> tuple[Tokenizer | None, dict | None]:
+    from tokenizers import Tokenizer
+
     tok_path, info_path = _cache_paths(key)
     try:
         return Tokenizer.from_file(str(tok_path)), json.loads(info_path.read_text())
@@ -238,7 +231,7 @@ def tokenizer_from_gguf_file(path: str | os.PathLike) -> GemmaTokenizer:
         raise TokenizerError(f"{os.fspath(path)}: {e}") from None
 
 
-def save_tokenizer_json(tok: Tokenizer, path: str | os.PathLike) -> None:
+def save_tokenizer_json(tok: Tokenizer | SPMTokenizer, path: str | os.PathLike) -> None:
     """Write ``tokenizer.json`` (loadable by ``Tokenizer.from_file`` or transformers)."""
     tok.save(os.fspath(path))
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import literally, njit, prange
+from numba import literally, njit, prange, types
+from numba.extending import overload
 
 from .common import h2f, nibbles
-from .simd import block_row_dot
+from .simd import block_rows_dot
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -238,28 +239,36 @@ def dec_q6_k(row, b, dst, do, n):
 _KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # `kind` numbers
 
 
+_DECODERS = (dec_q4_0, dec_q4_1, dec_q5_0, dec_q5_1, dec_q8_0, dec_q4_k, dec_q5_k, dec_q6_k)  # by `kind`
+
+
 @njit(cache=True)
 def _decode_row(kind, row, dst, bs, n):
     """Decode a whole row. ``kind`` is made a literal, so numba compiles one specialisation per
-    block type in which dead-branch pruning has kept only that type's decoder."""
+    block type, holding only that type's decoder (one compiled function that the gathers and
+    products of that type all call)."""
     literally(kind)
-    for b in range(dst.shape[0] // bs):
-        if kind == 0:
-            dec_q4_0(row, b, dst, b * bs, n)
-        elif kind == 1:
-            dec_q4_1(row, b, dst, b * bs, n)
-        elif kind == 2:
-            dec_q5_0(row, b, dst, b * bs, n)
-        elif kind == 3:
-            dec_q5_1(row, b, dst, b * bs, n)
-        elif kind == 4:
-            dec_q8_0(row, b, dst, b * bs, n)
-        elif kind == 5:
-            dec_q4_k(row, b, dst, b * bs, n)
-        elif kind == 6:
-            dec_q5_k(row, b, dst, b * bs, n)
-        else:
-            dec_q6_k(row, b, dst, b * bs, n)
+    _decode_blocks(kind, row, dst, bs, n)
+
+
+def _decode_blocks(kind, row, dst, bs, n):  # pragma: no cover - only ever compiled, see the overload
+    raise NotImplementedError
+
+
+@overload(_decode_blocks)
+def _decode_blocks_impl(kind, row, dst, bs, n):
+    """The loop over a row's blocks with the one decoder of block type ``kind`` (inlined, so its
+    loops vectorise). Typing one `if kind == ...` chain of all eight decoders instead, even with
+    the dead branches pruned afterwards, cost ~2.5 s of compilation per block type used."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    dec = _DECODERS[kind.literal_value]
+
+    def impl(kind, row, dst, bs, n):
+        for b in range(dst.shape[0] // bs):
+            dec(row, b, dst, b * bs, n)
+
+    return impl
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -323,15 +332,35 @@ def make_kernels(name: str) -> _Kernels:
 KERNELS = {name: make_kernels(name) for name in _KINDS}
 
 
+@njit(inline="always", cache=True)
+def _block_rows(raw, xq, xd, r, t, nt, out, q5):
+    if q5:
+        if nt == 4:
+            block_rows_dot(raw, xq, xd, r, t, out, 5, 4)
+        elif nt == 2:
+            block_rows_dot(raw, xq, xd, r, t, out, 5, 2)
+        else:
+            block_rows_dot(raw, xq, xd, r, t, out, 5, 1)
+    else:
+        if nt == 4:
+            block_rows_dot(raw, xq, xd, r, t, out, 8, 4)
+        elif nt == 2:
+            block_rows_dot(raw, xq, xd, r, t, out, 8, 2)
+        else:
+            block_rows_dot(raw, xq, xd, r, t, out, 8, 1)
+
+
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
     sequences) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as gemmalite's
     own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
-    all T rows, each row's result bit for bit its T=1 result."""
+    all T rows and each of its chunks widened once for up to 4 of them, each row's result bit for
+    bit its T=1 result."""
+    n_t = xq.shape[0]
     for r in prange(raw.shape[0]):
-        for t in range(xq.shape[0]):
-            if q5:
-                block_row_dot(raw, xq[t], xd[t], r, out[t], 5)
-            else:
-                block_row_dot(raw, xq[t], xd[t], r, out[t], 8)
+        t = 0
+        while t < n_t:
+            nt = 4 if n_t - t >= 4 else (2 if n_t - t >= 2 else 1)
+            _block_rows(raw, xq, xd, r, t, nt, out, q5)
+            t += nt

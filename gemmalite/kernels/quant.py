@@ -116,27 +116,54 @@ def i8_mv4(q, scale, x, out):
             out[3, r] = a3 * s
 
 
+@njit(inline="always", **_FAST)
+def token_step(t, n_t):
+    """Activation rows the few-row intrinsics take from row ``t`` on (4, 2 or 1: `simd.TOKENS`)."""
+    left = n_t - t
+    return 4 if left >= 4 else (2 if left >= 2 else 1)
+
+
+@njit(inline="always", **_FAST)
+def _i8_rows(q, xq, xd, r, t, nt, out, nrows):
+    if nrows == 4:
+        if nt == 4:
+            int8_rows_dot(q, xq, xd, r, t, out, 4, 4)
+        elif nt == 2:
+            int8_rows_dot(q, xq, xd, r, t, out, 4, 2)
+        else:
+            int8_rows_dot(q, xq, xd, r, t, out, 4, 1)
+    else:
+        if nt == 4:
+            int8_rows_dot(q, xq, xd, r, t, out, 1, 4)
+        elif nt == 2:
+            int8_rows_dot(q, xq, xd, r, t, out, 1, 2)
+        else:
+            int8_rows_dot(q, xq, xd, r, t, out, 1, 1)
+
+
 @njit(parallel=True, **_FAST)
 def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
     """Rows of x with int16 activations (``xq``/``xd``/``out`` ``[T, .]``, per 32 values: a decode
     step, a prompt-lookup step, a batch of sequences): exact int32 sums via 16-bit SIMD
-    multiply-add, ``rows_per_task`` (1 or 4) weight rows sharing each load of x. Each weight row
-    is read from memory once for all T rows (the others hit L1), and every row's result is bit
-    for bit its T=1 result."""
+    multiply-add, ``rows_per_task`` (1 or 4) weight rows sharing each load of x and each load of
+    a weight chunk serving up to 4 rows of x. Each weight row is read from memory once for all
+    T rows, and every row's result is bit for bit its T=1 result."""
     n = q.shape[0]
+    n_t = xq.shape[0]
     for b in prange((n + rows_per_task - 1) // rows_per_task):
         r = b * rows_per_task
-        for t in range(xq.shape[0]):
-            xqt = xq[t]
-            xdt = xd[t]
-            ot = out[t]
+        t = 0
+        while t < n_t:
+            nt = token_step(t, n_t)
             if rows_per_task == 4 and r + 4 <= n:
-                int8_rows_dot(q, xqt, xdt, r, ot, 4)
+                _i8_rows(q, xq, xd, r, t, nt, out, 4)
             else:
                 for i in range(r, min(n, r + rows_per_task)):
-                    int8_rows_dot(q, xqt, xdt, i, ot, 1)
+                    _i8_rows(q, xq, xd, i, t, nt, out, 1)
+            t += nt
+        for t in range(n_t):
             for i in range(r, min(n, r + rows_per_task)):
-                ot[i] *= scale[i]
+                out[t, i] *= scale[i]
 
 
 @njit(parallel=True, **_FAST)
@@ -345,22 +372,54 @@ def i4_mv1(packed, scales, mins, x, xs, group, out):
 
 
 @njit(inline="always", **_FAST)
-def i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, nrows, out):
-    if nrows == 4:
-        if group == 32:
-            int4_rows_dot(packed, scales, xq, xd, r, out, 32, 4)
+def _i4_dot(packed, scales, xq, xd, r, t, nt, out, group, nrows):
+    if group == 32:
+        if nrows == 4:
+            if nt == 4:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 32, 4, 4)
+            elif nt == 2:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 32, 4, 2)
+            else:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 32, 4, 1)
         else:
-            int4_rows_dot(packed, scales, xq, xd, r, out, 64, 4)
+            if nt == 4:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 32, 1, 4)
+            elif nt == 2:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 32, 1, 2)
+            else:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 32, 1, 1)
     else:
-        if group == 32:
-            int4_rows_dot(packed, scales, xq, xd, r, out, 32, 1)
+        if nrows == 4:
+            if nt == 4:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 64, 4, 4)
+            elif nt == 2:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 64, 4, 2)
+            else:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 64, 4, 1)
         else:
-            int4_rows_dot(packed, scales, xq, xd, r, out, 64, 1)
-    for i in range(r, r + nrows):
-        m = np.float32(0.0)
-        for g in range(scales.shape[1]):
-            m += h2f(mins[i, g]) * xs[g]
-        out[i] += m
+            if nt == 4:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 64, 1, 4)
+            elif nt == 2:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 64, 1, 2)
+            else:
+                int4_rows_dot(packed, scales, xq, xd, r, t, out, 64, 1, 1)
+
+
+@njit(inline="always", **_FAST)
+def i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, nrows, out):
+    """Rows ``r .. r + nrows - 1`` for every activation row, the ``mins`` term added per row."""
+    n_t = xq.shape[0]
+    t = 0
+    while t < n_t:
+        nt = token_step(t, n_t)
+        _i4_dot(packed, scales, xq, xd, r, t, nt, out, group, nrows)
+        t += nt
+    for t in range(n_t):
+        for i in range(r, r + nrows):
+            m = np.float32(0.0)
+            for g in range(scales.shape[1]):
+                m += h2f(mins[i, g]) * xs[t, g]
+            out[t, i] += m
 
 
 @njit(parallel=True, **_FAST)
@@ -372,12 +431,11 @@ def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
     n = packed.shape[0]
     for b in prange((n + rows_per_task - 1) // rows_per_task):
         r = b * rows_per_task
-        for t in range(xq.shape[0]):
-            if r + rows_per_task <= n:
-                i4_rows_w4a16(packed, scales, mins, xq[t], xd[t], xs[t], group, r, rows_per_task, out[t])
-            else:
-                for i in range(r, n):
-                    i4_rows_w4a16(packed, scales, mins, xq[t], xd[t], xs[t], group, i, 1, out[t])
+        if r + rows_per_task <= n:
+            i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, r, rows_per_task, out)
+        else:
+            for i in range(r, n):
+                i4_rows_w4a16(packed, scales, mins, xq, xd, xs, group, i, 1, out)
 
 
 @njit(parallel=True, **_FAST)

@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from .common import half_to_f32_ir
 
 __all__ = ["int16_activation_rows", "round_int16", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
-           "block_row_dot", "TILE_BLOCK"]
+           "block_rows_dot", "TILE_BLOCK", "TOKENS"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
@@ -107,38 +107,50 @@ def _open_loop(builder, name: str):
 GGML_BLOCK = {"q8_0": 34, "q5_0": 22}  # bytes per 32 values: f16 scale, [4 bytes high bits], values
 
 
-def _rows_dot_codegen(group: int, nrows: int, fmt: str):
-    """IR for ``out[r0 + i] = dot(row r0 + i)``, ``i < nrows``, over groups of ``group`` values.
+def _rows_dot_codegen(group: int, nrows: int, fmt: str, ntok: int):
+    """IR for ``out[t0 + j, r0 + i] = dot(weight row r0 + i, x row t0 + j)``, ``i < nrows``,
+    ``j < ntok``, over groups of ``group`` values.
 
     Per group: exact int32 sums of weight * int16 activation with ``vpmaddwd``, converted once
-    to float32 and scaled by ``xd[g]`` (int4: also by the group's float16 weight scale) into
-    eight float32 lanes per row, summed at the end. Several rows share each load of x (with
-    rows of 12288 values x no longer sits in L1, and re-reading it per row costs bandwidth).
-    ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, out)``), "int8" (``(q, xq, xd,
-    r0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, out)``):
+    to float32 and scaled by ``xd[t, g]`` (int4, GGML: also by the group's float16 weight scale)
+    into eight float32 lanes per (row, token), summed at the end. Each weight chunk is loaded
+    (and widened) once for the ``ntok`` tokens and each x chunk once for the ``nrows`` rows; a
+    (row, token) pair goes through the same operations in the same order whatever ``nrows`` and
+    ``ntok`` are, so every output is bit for bit its one-row, one-token value.
+    ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, t0, out)``), "int8" (``(q, xq, xd,
+    r0, t0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, t0, out)``):
     "q8_0" (float16 scale, 32 int8) or "q5_0" (float16 scale, 32 high bits, 16 bytes of low
     nibbles; value j = nibble | high bit << 4, minus 16; j and j + 16 share a byte).
+    ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, rows]``.
     """
     int4 = fmt == "int4"
+
     def codegen(context, builder, signature, args):
         if int4:
-            pty, sty, qty, dty, _, oty = signature.args
+            pty, sty, qty, dty, _, _, oty = signature.args
             wa = context.make_array(pty)(context, builder, args[0])
             sa = context.make_array(sty)(context, builder, args[1])
             ng = cgutils.unpack_tuple(builder, sa.shape)[1]
             args = [args[0], *args[2:]]
         else:
-            pty, qty, dty, _, oty = signature.args
+            pty, qty, dty, _, _, oty = signature.args
             wa = context.make_array(pty)(context, builder, args[0])
             ng = builder.udiv(cgutils.unpack_tuple(builder, wa.shape)[1],
                               ir.Constant(_I64, GGML_BLOCK.get(fmt, group)))
-        xq = _data(context, builder, qty, args[1])
-        xd = _data(context, builder, dty, args[2])
-        r0 = args[3]
-        out = _data(context, builder, oty, args[4])
+        xa = context.make_array(qty)(context, builder, args[1])
+        da = context.make_array(dty)(context, builder, args[2])
+        oa = context.make_array(oty)(context, builder, args[5])
+        r0, t0 = args[3], args[4]
+        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        k = cgutils.unpack_tuple(builder, xa.shape)[1]
+        nxd = cgutils.unpack_tuple(builder, da.shape)[1]
+        nout = cgutils.unpack_tuple(builder, oa.shape)[1]
+        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
+        xq = [builder.gep(xa.data, [builder.mul(t, k)], inbounds=True) for t in toks]
+        xd = [builder.gep(da.data, [builder.mul(t, nxd)], inbounds=True) for t in toks]
+        out = [builder.gep(oa.data, [builder.mul(t, nout)], inbounds=True) for t in toks]
         row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
         pmadd = _pmadd(builder)
-        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
         rows = [builder.add(r0, c64(i)) for i in range(nrows)]
         wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
         if int4:
@@ -146,50 +158,62 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
         entry, head, body, done = _open_loop(builder, "rowsdot")
         g = builder.phi(_I64)
         g.add_incoming(c64(0), entry)
-        accs = []
-        for _ in range(nrows):
-            acc = builder.phi(_vec(_F32, 8))
-            acc.add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
-            accs.append(acc)
+        accs = {}
+        for i in range(nrows):
+            for j in range(ntok):
+                accs[i, j] = builder.phi(_vec(_F32, 8))
+                accs[i, j].add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
         builder.cbranch(builder.icmp_signed("<", g, ng), body, done)
 
         builder.position_at_end(body)
         xbase = builder.mul(g, c64(group))
-        xs = [_load_vec(builder, xq, builder.add(xbase, c64(16 * j)), _vec(_I16, 16))
-              for j in range(group // 16)]
+        xs = [[_load_vec(builder, xq[j], builder.add(xbase, c64(16 * c)), _vec(_I16, 16))
+               for c in range(group // 16)] for j in range(ntok)]
+        xdg = [builder.load(builder.gep(xd[j], [g], inbounds=True)) for j in range(ntok)]
 
-        def int8_group(ptr, start):
-            """int32 lane sums of ``group`` int8 weights from ``ptr[start:]`` times the group's x."""
-            isum = None
-            for c in range(group // 16):
-                b = _load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16))
-                s = builder.call(pmadd, [builder.sext(b, _vec(_I16, 16)), xs[c]])
-                isum = s if isum is None else builder.add(isum, s)
-            return isum
+        def sums(chunks):
+            """Per token: the int32 lane sums of the weight chunks (int16 vectors, one per x chunk)."""
+            out_ = []
+            for j in range(ntok):
+                isum = None
+                for c, w in enumerate(chunks):
+                    s = builder.call(pmadd, [w, xs[j][c]])
+                    isum = s if isum is None else builder.add(isum, s)
+                out_.append(isum)
+            return out_
 
-        xdg = builder.load(builder.gep(xd, [g], inbounds=True))
+        def int8_chunks(ptr, start):
+            return [builder.sext(_load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16)),
+                                 _vec(_I16, 16)) for c in range(group // 16)]
+
         for i in range(nrows):
-            isum = None
+            wscale = None
             if int4:  # byte j of a group: value j (low nibble) and value j + group/2 (high)
+                lo, hi = [], []
                 for c in range(group // 32):
                     b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, c64(group // 2)), c64(16 * c)),
                                   _vec(_I8, 16))
                     w = builder.zext(b, _vec(_I16, 16))
-                    lo = builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16))
-                    hi = builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16))
-                    s = builder.add(builder.call(pmadd, [lo, xs[c]]),
-                                    builder.call(pmadd, [hi, xs[c + group // 32]]))
-                    isum = s if isum is None else builder.add(isum, s)
-                d = builder.fmul(half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True))), xdg)
+                    lo.append(builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16)))
+                    hi.append(builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16)))
+                # the sum order of the one-token kernel: (lo c0 + hi c0) + (lo c1 + hi c1) ...
+                isums = []
+                for j in range(ntok):
+                    isum = None
+                    for c in range(group // 32):
+                        s = builder.add(builder.call(pmadd, [lo[c], xs[j][c]]),
+                                        builder.call(pmadd, [hi[c], xs[j][c + group // 32]]))
+                        isum = s if isum is None else builder.add(isum, s)
+                    isums.append(isum)
+                wscale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)))
             elif fmt == "int8":
-                isum = int8_group(wrow[i], xbase)
-                d = xdg
+                isums = sums(int8_chunks(wrow[i], xbase))
             else:  # GGML block: float16 scale first
                 blk = builder.gep(wrow[i], [builder.mul(g, c64(GGML_BLOCK[fmt]))], inbounds=True)
                 half = builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1)
-                d = builder.fmul(half_to_f32_ir(builder, half), xdg)
+                wscale = half_to_f32_ir(builder, half)
                 if fmt == "q8_0":
-                    isum = int8_group(blk, c64(2))
+                    isums = sums(int8_chunks(blk, c64(2)))
                 else:
                     qh = builder.load(builder.bitcast(builder.gep(blk, [c64(2)], inbounds=True),
                                                       _I32.as_pointer()), align=1)
@@ -197,22 +221,24 @@ def _rows_dot_codegen(group: int, nrows: int, fmt: str):
                     w = builder.zext(_load_vec(builder, blk, c64(6), _vec(_I8, 16)), _vec(_I16, 16))
                     nib = (builder.and_(w, ir.Constant(_vec(_I16, 16), [15] * 16)),
                            builder.lshr(w, ir.Constant(_vec(_I16, 16), [4] * 16)))
+                    chunks = []
                     for c in range(2):
                         bit = builder.and_(builder.lshr(qh, ir.Constant(_vec(_I32, 16), list(range(16 * c, 16 * c + 16)))),
                                            ir.Constant(_vec(_I32, 16), [1] * 16))
                         hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), ir.Constant(_vec(_I16, 16), [4] * 16))
-                        v = builder.sub(builder.or_(nib[c], hi), ir.Constant(_vec(_I16, 16), [16] * 16))
-                        s = builder.call(pmadd, [v, xs[c]])
-                        isum = s if isum is None else builder.add(isum, s)
-            accs[i].add_incoming(
-                builder.fadd(accs[i], builder.fmul(builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8))),
-                body)
+                        chunks.append(builder.sub(builder.or_(nib[c], hi), ir.Constant(_vec(_I16, 16), [16] * 16)))
+                    isums = sums(chunks)
+            for j in range(ntok):
+                d = xdg[j] if wscale is None else builder.fmul(wscale, xdg[j])
+                accs[i, j].add_incoming(
+                    builder.fadd(accs[i, j], builder.fmul(builder.sitofp(isums[j], _vec(_F32, 8)), _splat(builder, d, 8))),
+                    body)
         g.add_incoming(builder.add(g, c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
-        for r, acc in zip(rows, accs):
-            builder.store(_hsum(builder, acc), builder.gep(out, [r], inbounds=True))
+        for (i, j), acc in accs.items():
+            builder.store(_hsum(builder, acc), builder.gep(out[j], [rows[i]], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
@@ -300,33 +326,38 @@ def _first_args(inner, n: int):
     return codegen
 
 
+TOKENS = (4, 2, 1)  # activation rows per call of the few-row intrinsics (``ntok`` literals)
+
+
 @intrinsic
-def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, out, group, nrows):
-    """``out[r] = sum_g f16(scales[r, g]) * xd[g] * sum_i n[r, g, i] * xq[g*G + i]`` for the
-    ``nrows`` rows ``r0 .. r0 + nrows - 1`` of an int4 matrix (no ``mins`` term).
+def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, t0, out, group, nrows, ntok):
+    """``out[t, r] = sum_g f16(scales[r, g]) * xd[t, g] * sum_i n[r, g, i] * xq[t, g*G + i]`` for the
+    ``nrows`` rows ``r0 ..`` of an int4 matrix and the ``ntok`` activation rows ``t0 ..`` (no
+    ``mins`` term).
 
     ``packed`` uint8 ``[out, in//2]`` (gemmalite.weights.quant nibble order), ``scales`` uint16 float16
-    bits ``[out, in//G]``, ``xq`` int16 ``[in]``, ``xd`` float32 ``[in//G]``, ``out`` float32
-    ``[out]``; all C-contiguous. ``group`` (32 or 64) and ``nrows`` must be compile-time
-    literals (the unrolling depends on them). A group's products are summed exactly in int32
-    (15 * 32767 * 64 < 2**31), then scaled in float32.
+    bits ``[out, in//G]``, ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in//G]``, ``out`` float32
+    ``[T, out]``; all C-contiguous. ``group`` (32 or 64), ``nrows`` and ``ntok`` must be
+    compile-time literals (the unrolling depends on them). A group's products are summed exactly
+    in int32 (15 * 32767 * 64 < 2**31), then scaled in float32.
     """
-    if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9))):
+    if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9)) and _literal(ntok, TOKENS)):
         return None
-    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, "int4")
-    return types.void(packed, scales, xq, xd, r0, out, group, nrows), _first_args(inner, 6)
+    inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, "int4", ntok.literal_value)
+    return types.void(packed, scales, xq, xd, r0, t0, out, group, nrows, ntok), _first_args(inner, 7)
 
 
 @intrinsic
-def int8_rows_dot(typingctx, q, xq, xd, r0, out, nrows):
-    """``out[r] = sum_g xd[g] * sum_i q[r, 32g + i] * xq[32g + i]`` for rows ``r0 ..
+def int8_rows_dot(typingctx, q, xq, xd, r0, t0, out, nrows, ntok):
+    """``out[t, r] = sum_g xd[t, g] * sum_i q[r, 32g + i] * xq[t, 32g + i]`` for rows ``r0 ..
     r0 + nrows - 1`` of an int8 matrix ``q [out, in]`` (in a multiple of 32; the caller applies
-    the row scale). ``xq`` int16 ``[in]``, ``xd`` float32 ``[in//32]``; ``nrows`` a literal.
-    A group's products are summed exactly in int32 (127 * 32767 * 32 < 2**31)."""
-    if not _literal(nrows, range(1, 9)):
+    the row scale) and activation rows ``t0 .. t0 + ntok - 1``. ``xq`` int16 ``[T, in]``, ``xd``
+    float32 ``[T, in//32]``, ``out`` ``[T, out]``; ``nrows``, ``ntok`` literals. A group's
+    products are summed exactly in int32 (127 * 32767 * 32 < 2**31)."""
+    if not (_literal(nrows, range(1, 9)) and _literal(ntok, TOKENS)):
         return None
-    inner = _rows_dot_codegen(32, nrows.literal_value, "int8")
-    return types.void(q, xq, xd, r0, out, nrows), _first_args(inner, 5)
+    inner = _rows_dot_codegen(32, nrows.literal_value, "int8", ntok.literal_value)
+    return types.void(q, xq, xd, r0, t0, out, nrows, ntok), _first_args(inner, 6)
 
 
 @intrinsic
@@ -341,11 +372,12 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
 
 
 @intrinsic
-def block_row_dot(typingctx, raw, xq, xd, r0, out, bits):
-    """``out[r] = sum_g f16(d[r, g]) * xd[g] * sum_i w[r, g, i] * xq[32g + i]`` for row ``r0`` of a
-    GGML matrix stored as raw blocks of 32 values (``raw`` uint8 ``[rows, in // 32 * block]``):
-    ``bits`` 8 for Q8_0, 5 for Q5_0 (a literal). ``xq`` int16 ``[in]``, ``xd`` float32 ``[in // 32]``."""
-    if not _literal(bits, (5, 8)):
+def block_rows_dot(typingctx, raw, xq, xd, r0, t0, out, bits, ntok):
+    """``out[t, r0] = sum_g f16(d[r0, g]) * xd[t, g] * sum_i w[r0, g, i] * xq[t, 32g + i]`` for row
+    ``r0`` of a GGML matrix stored as raw blocks of 32 values (``raw`` uint8 ``[rows, in // 32 *
+    block]``) and activation rows ``t0 .. t0 + ntok - 1``: ``bits`` 8 for Q8_0, 5 for Q5_0 (a
+    literal). ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // 32]``, ``out`` ``[T, rows]``."""
+    if not (_literal(bits, (5, 8)) and _literal(ntok, TOKENS)):
         return None
-    inner = _rows_dot_codegen(32, 1, "q8_0" if bits.literal_value == 8 else "q5_0")
-    return types.void(raw, xq, xd, r0, out, bits), _first_args(inner, 5)
+    inner = _rows_dot_codegen(32, 1, "q8_0" if bits.literal_value == 8 else "q5_0", ntok.literal_value)
+    return types.void(raw, xq, xd, r0, t0, out, bits, ntok), _first_args(inner, 6)

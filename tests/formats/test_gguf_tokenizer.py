@@ -108,3 +108,26 @@ def test_synthetic_spm_vocab_with_space_prefix():
     assert tok.encode("ab<s>b é").tokens == ["<s>", "\u2581ab", "<s>", "\u2581", "b", "\u2581", "<0xC3>", "<0xA9>"]
     assert tok.decode(tok.encode("ab<s>b é").ids) == " ab b é"
     assert info["add_bos"] and info["eog_token_ids"] == []
+
+
+def test_synthetic_spm_vocab_ties_duplicates_and_eos():
+    """llama.cpp's SPM rules that the Gemma vocabularies do not exercise: equal scores merge the
+    leftmost pair first; a duplicated token text maps to its last id (token_to_id[word] = i);
+    add_eos appends EOS; a character without a token or byte token becomes <unk>."""
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "a", "b", "ab", "ba", "ab"],
+        "tokenizer.ggml.scores": [0, 0, 0, -1, -1, -2, -2, -2],
+        "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_eos_token": True,
+    }
+    tok, info = tokenizer_from_gguf(meta)
+    # "aba": "ab" (left 0) and "ba" (left 1) tie at -2: the leftmost merges, "ab" -> id 7 (last)
+    assert tok.encode("aba").ids == [1, 7, 3, 2]
+    assert tok.encode("bab", add_special_tokens=False).ids == [6, 4]
+    assert tok.encode("c", add_special_tokens=False).ids == [0]
+    assert tok.decode([1, 7, 3, 2], skip_special_tokens=False) == "<s>aba</s>"
+    assert info["add_eos"] is True

@@ -304,3 +304,37 @@ def test_matmul_all_shares_the_rounding_to_the_bit(t):
     x = rng.standard_normal((t, 512)).astype(np.float32)
     for m, y in zip(mats, matmul_all(mats, x)):
         assert np.array_equal(y, m.matmul(x))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-32", "int4-64", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("long_rows", [True, False])
+def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monkeypatch):
+    """The few-row kernels widen each weight chunk once for up to four activation rows (and, for
+    long rows, share each x load between four weight rows): every row of any T must still be bit
+    for bit its own one-row product (decode batches and prompt-lookup verification rely on it),
+    and close to the float64 product."""
+    if not common.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU: the portable path computes each row alone")
+    from gguf import GGMLQuantizationType, quants
+
+    from gemmalite.weights.ggml import GGMLMatrix
+
+    for name in ("LONG_ROW", "LONG_ROW_SIMD"):
+        monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
+    w = _w(203, 320, seed=11)
+    if fmt == "int8":
+        m = Int8Matrix.quantize(w)
+    elif fmt.startswith("int4"):
+        m = Int4Matrix.quantize(w, group=int(fmt[5:]))
+    else:
+        raw = np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[fmt])).view(np.uint8).reshape(203, -1)
+        m = GGMLMatrix(raw, fmt, (203, 320))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((11, 320)).astype(np.float32)
+    x[:, :5] *= 30
+    alone = np.concatenate([m.matmul(x[i : i + 1]) for i in range(11)])
+    ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(m.dense()).astype(np.float64).T
+    assert np.all(np.abs(alone - ref) <= 1e-3 * scale + 1e-30)
+    for t in (2, 3, 4, 5, 7, 8, 11):
+        np.testing.assert_array_equal(m.matmul_each(x[:t]), alone[:t], err_msg=f"T={t}")

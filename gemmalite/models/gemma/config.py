@@ -131,14 +131,23 @@ def _is_int(v: Any) -> bool:
         isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
 
 
+def _field(d: dict, key: str, default: Any, name: str) -> tuple[Any, bool]:
+    """``(value, present)``: ``d[key]`` (null counts as absent), or the default; ConfigError when
+    the field is absent and has no default."""
+    v = d.get(key)
+    if v is not None:
+        return v, True
+    if default is _MISSING:
+        raise ConfigError(f"config field {name!r} is missing")
+    return default, False
+
+
 def _int(d: dict, key: str, lo: int, hi: int, default: Any = _MISSING, *, what: str = "") -> int:
     """``d[key]`` as an int in ``[lo, hi]`` (null counts as absent); ConfigError naming the field otherwise."""
-    v = d.get(key)
     name = what or key
-    if v is None:
-        if default is _MISSING:
-            raise ConfigError(f"config field {name!r} is missing")
-        return default
+    v, present = _field(d, key, default, name)
+    if not present:
+        return v
     if not _is_int(v):
         raise ConfigError(f"config field {name!r} must be an integer, got {v!r}")
     if not lo <= int(v) <= hi:
@@ -149,12 +158,10 @@ def _int(d: dict, key: str, lo: int, hi: int, default: Any = _MISSING, *, what: 
 def _float(d: dict, key: str, lo: float, hi: float, default: Any = _MISSING, *, what: str = "",
            open_low: bool = False) -> float:
     """``d[key]`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``open_low``)."""
-    v = d.get(key)
     name = what or key
-    if v is None:
-        if default is _MISSING:
-            raise ConfigError(f"config field {name!r} is missing")
-        return default
+    v, present = _field(d, key, default, name)
+    if not present:
+        return v
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
             or not math.isfinite(v):
         raise ConfigError(f"config field {name!r} must be a finite number, got {v!r}")
