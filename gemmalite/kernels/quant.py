@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import h2f, nibbles
-from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_int16, round_u8, u8_tile_dot
+from .common import h2f, nibbles, prefetch
+from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 _FAST = dict(_JIT, fastmath=True)
@@ -168,20 +168,39 @@ def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
 
 @njit(parallel=True, **_FAST)
 def round_int16_rows(x, block, xq, xd):
-    """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel."""
+    """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel: the same
+    ``xq`` and ``xd`` (the group sums are not needed here), on slices indexed from 0, which
+    vectorise (numba's gathers on ``range(g * block, ...)`` took 1.7 ns a value)."""
     for t in prange(x.shape[0]):
-        xs = np.empty(xd.shape[1], dtype=np.float32)
-        round_int16(x[t], block, xq[t], xd[t], xs)
+        for g in range(x.shape[1] // block):
+            xg = x[t, g * block : g * block + block]
+            qg = xq[t, g * block : g * block + block]
+            amax = np.float32(0.0)
+            for j in range(block):
+                amax = max(amax, abs(xg[j]))
+            d = amax / np.float32(32767.0)
+            xd[t, g] = d
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            for j in range(block):
+                qg[j] = np.int16(np.rint(xg[j] * inv))
+
+
+PREFETCH_STRIPS = 4  # int8 prefill: 4-row strips ahead whose weights are prefetched (a short query: -10 %)
 
 
 @njit(parallel=True, **_FAST)
 def i8_mm_w8a16(q, scale, xq, xd, out):
     """Prefill with int16 activations: tiles of 4 rows x 2 tokens (``int8_tile_dot``), each
-    task one 4-row strip against all tokens (the strip stays in L1, x in L2)."""
-    n = q.shape[0]
+    task one 4-row strip against all tokens (the strip stays in L1, x in L2), the strip
+    PREFETCH_STRIPS ahead prefetched (weights stream from memory; with a short input the
+    hardware prefetcher alone leaves the tiles waiting)."""
+    n, k = q.shape
     t_all = xq.shape[0]
     for b in prange((n + 3) // 4):
         r = 4 * b
+        ahead = (r + 4 * PREFETCH_STRIPS) * k
+        for off in range(0, min(4 * k, n * k - ahead), 64):
+            prefetch(q, ahead + off)
         if r + 4 <= n:
             for t in range(0, t_all - 1, 2):
                 int8_tile_dot(q, xq, xd, r, t, out, 4, 2)

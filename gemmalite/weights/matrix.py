@@ -15,11 +15,12 @@ tokenization or sampling.
 from __future__ import annotations
 
 import threading
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..kernels import common
-from ..kernels.numba_ops import f32_matmul_small, half_matmul_small, half_rows_to_f32
+from ..kernels.numba_ops import f32_matmul_small, half_matmul_small, half_rows_to_f32, matmul_tiles
 
 try:  # bfloat16 is only a storage format here; math is float32
     import ml_dtypes
@@ -46,6 +47,15 @@ def _prefill_rows(cols: int) -> int:
     return int(min(1024, max(256, b - b % 64)))
 
 
+class Prepared(NamedTuple):
+    """An input converted once for several products (`Matrix.prepare`): ``kind`` names the
+    conversion, ``data`` holds it; a matrix that cannot use it multiplies ``x``."""
+
+    x: np.ndarray
+    kind: str
+    data: Any
+
+
 class Matrix:
     """Base class: a 2-D weight of shape ``(rows, cols)`` = ``(out, in)``."""
 
@@ -56,6 +66,10 @@ class Matrix:
     # Not through BLAS, whose blocking may depend on the row count.
     independent_rows = False
 
+    def uses_blas_for(self, rows: int) -> bool:
+        """Does a product of ``rows`` activation rows call BLAS? (float formats: not up to SHORT_ROWS)"""
+        return self.uses_blas and rows > common.FEW_ROWS
+
     @property
     def nbytes(self) -> int:  # bytes of weight data read by one full matmul
         raise NotImplementedError
@@ -65,6 +79,15 @@ class Matrix:
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+        """``x`` in the form this format's products take, for several matrices of the same input
+        width and format (`matmul_all`); formats without a conversion return ``x``."""
+        return x
+
+    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+        """``matmul`` of an input from `prepare` (of this matrix or a sibling)."""
+        return self.matmul(p.x if isinstance(p, Prepared) else p)
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         """``matmul`` of each row of ``x`` on its own: row ``i`` of the result equals
@@ -105,7 +128,8 @@ class Matrix:
 
 
 class F32Matrix(Matrix):
-    """A float32 matrix in memory: BLAS does the products, numba the few-row (decode) ones."""
+    """A float32 matrix in memory: BLAS does the products of many rows, numba the few-row
+    (decode) and short (``T <= SHORT_ROWS``: a query, a short prompt) ones."""
 
     def __init__(self, w: np.ndarray):
         assert w.ndim == 2
@@ -121,23 +145,30 @@ class F32Matrix(Matrix):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim == 2 and x.shape[0] <= common.FEW_ROWS and x.shape[1] == self.shape[1]:
+        if x.ndim == 2 and x.shape[0] <= common.SHORT_ROWS and x.shape[1] == self.shape[1]:
             out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-            f32_matmul_small(x, self.w, out)
+            if x.shape[0] <= common.FEW_ROWS:
+                f32_matmul_small(x, self.w, out)
+            else:
+                matmul_tiles(x, self.w, False, out)
             return out
         return x @ self.w.T
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         return self._each_in_chunks(x, common.FEW_ROWS)
 
+    def uses_blas_for(self, rows: int) -> bool:
+        return rows > common.SHORT_ROWS
+
 
 class HalfMatrix(Matrix):
     """A bfloat16 / float16 matrix used in place, in its stored dtype (typically memory-mapped
     from the checkpoint: loading copies nothing, memory holds 2 bytes per weight).
 
-    Decode (``T <= FEW_ROWS``) converts each weight in registers as it is read
-    (`half_matmul_small`); prefill converts blocks of rows into a per-thread float32 buffer
-    for BLAS; ``rows`` converts only the rows asked for.
+    Decode (``T <= FEW_ROWS``) and short inputs (``T <= SHORT_ROWS``) convert each weight in
+    registers as it is read (`half_matmul_small`, `matmul_tiles`); longer prefills convert
+    blocks of rows into a per-thread float32 buffer for BLAS; ``rows`` converts only the rows
+    asked for.
     """
 
     def __init__(self, w: np.ndarray):
@@ -161,17 +192,32 @@ class HalfMatrix(Matrix):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"x must be [T, {self.shape[1]}], got {x.shape}")
-        if x.shape[0] > common.FEW_ROWS:
+        if x.shape[0] > common.SHORT_ROWS:
             return self._matmul_blocked(x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        half_matmul_small(x, self._bits, self._bf16, out)
+        if x.shape[0] <= common.FEW_ROWS:
+            half_matmul_small(x, self._bits, self._bf16, out)
+        else:
+            matmul_tiles(x, self._bits, self._bf16, out)
         return out
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         return self._each_in_chunks(x, common.FEW_ROWS)
 
+    def uses_blas_for(self, rows: int) -> bool:
+        return rows > common.SHORT_ROWS
+
     def __repr__(self):
         return f"HalfMatrix{self.shape}({'bfloat16' if self._bf16 else 'float16'})"
+
+
+def matmul_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
+    """``[m.matmul(x) for m in mats]`` with the input converted once (q/k/v, gate/up: int8's
+    int16 rounding of a prefill input is then done once, not per matrix)."""
+    if len(mats) == 1:
+        return [mats[0].matmul(x)]
+    p = mats[0].prepare(x)
+    return [m.matmul_prepared(p) for m in mats]
 
 
 def as_matrix(w: np.ndarray, *, keep_half: bool = False) -> Matrix:

@@ -59,7 +59,7 @@ from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv
                              i8_block_corr, i8_mm_w8a8, i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize,
                              round_int16_rows, round_u8_rows)
 from ..kernels.simd import TILE_BLOCK, U8_BLOCK, int16_activation_rows
-from .matrix import Matrix
+from .matrix import Matrix, Prepared
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 
@@ -70,6 +70,10 @@ LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only th
 # gain while the weight stream bounds the step). Several activation rows (a batch of sequences) go in
 # tiles of up to 4 of them per weight row, which widen each weight once and sum each row's groups on
 # independent chains.
+# int4 inputs of up to this many rows (a short query) take the decode kernel, which reads each
+# weight once for all rows, instead of dequantizing every row block for BLAS: 18 rows x 2048 x 512
+# 0.56 vs 2.2 ms; even at 64 rows (the two break even there).
+INT4_SHORT_ROWS = 32
 
 
 def _as_f32_block(w: np.ndarray) -> np.ndarray:
@@ -78,6 +82,25 @@ def _as_f32_block(w: np.ndarray) -> np.ndarray:
 
 def _ids(ids) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+def _round_tiles(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as the prefill tiles take it: int16 values and a scale per TILE_BLOCK values."""
+    t, k = x.shape
+    xq = np.empty((t, k), dtype=np.int16)
+    xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
+    round_int16_rows(x, TILE_BLOCK, xq, xd)
+    return xq, xd
+
+
+def _round_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as the VNNI prefill tiles take it: int8 values + 128 and a scale per U8_BLOCK values
+    (``xd`` token-minor, ``[k // U8_BLOCK, T]``)."""
+    t, k = x.shape
+    xu = np.empty((t, k), dtype=np.uint8)
+    xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
+    round_u8_rows(x, xu, xd)
+    return xu, xd
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -187,30 +210,46 @@ class Int8Matrix(_Quantized):
         i8_mvn_w8a16(self.q, self.scale, xq, xd, _rows_per_task(x.shape[0], self.shape[1]), out)
         return out
 
-    def _matmul_w8a16(self, x: np.ndarray) -> np.ndarray:
-        """Prefill: x rounded to int16 per TILE_BLOCK values, integer tiles, TOKEN_CHUNK tokens at
-        a time (so that a chunk of x stays in L2 while every weight strip passes by)."""
+    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+        """Prefill input: rounded once (int8 on VNNI, else int16) for every matrix it multiplies
+        (q/k/v, gate/up)."""
+        x = _check_x(x, self.shape[1])
+        if x.shape[0] <= common.FEW_ROWS or self.uses_blas:
+            return x
+        if common.HAVE_VNNI:
+            return Prepared(x, "w8a8", _round_u8(x))
+        return Prepared(x, "int16-tiles", _round_tiles(x))
+
+    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+        if isinstance(p, Prepared) and p.x.shape[1] == self.shape[1] and not self.uses_blas:
+            if p.kind == "w8a8" and common.HAVE_VNNI:
+                return self._matmul_w8a8(p.x, p.data)
+            if p.kind == "int16-tiles":
+                return self._matmul_w8a16(p.x, p.data)
+        return super().matmul_prepared(p)
+
+    def _matmul_w8a16(self, x: np.ndarray, rounded: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Prefill: x rounded to int16 per TILE_BLOCK values (``rounded``: already), integer tiles,
+        TOKEN_CHUNK tokens at a time (so that a chunk of x stays in L2 while every weight strip
+        passes by)."""
         t, k = x.shape
-        xq = np.empty((t, k), dtype=np.int16)
-        xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
-        round_int16_rows(x, TILE_BLOCK, xq, xd)
+        xq, xd = rounded if rounded is not None else _round_tiles(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
             t1 = min(t, t0 + TOKEN_CHUNK)
             i8_mm_w8a16(self.q, self.scale, xq[t0:t1], xd[t0:t1], out[t0:t1])
         return out
 
-    def _matmul_w8a8(self, x: np.ndarray) -> np.ndarray:
+    def _matmul_w8a8(self, x: np.ndarray, rounded: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Prefill on VNNI: x rounded to int8 per U8_BLOCK values (W8A8; the activation error is
-        about the weights' own), 8-bit dot products, TOKEN_CHUNK tokens at a time."""
+        about the weights' own; ``rounded``: already), 8-bit dot products, TOKEN_CHUNK tokens at
+        a time."""
         t, k = x.shape
-        if self._corr is None:
+        if self._corr is None:  # computed once; threads racing here compute the same array
             corr = np.empty((k // U8_BLOCK, self.shape[0]), dtype=np.int32)
             i8_block_corr(self.q, U8_BLOCK, corr)
             self._corr = corr
-        xu = np.empty((t, k), dtype=np.uint8)
-        xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
-        round_u8_rows(x, xu, xd)
+        xu, xd = rounded if rounded is not None else _round_u8(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
             i8_mm_w8a8(self.q, self._corr, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
@@ -301,10 +340,13 @@ class Int4Matrix(_Quantized):
     def _dequant_range(self, r0, out):
         i4_dequant_range(self.packed, self._s16, self._m16, r0, self.group, out)
 
+    def uses_blas_for(self, rows: int) -> bool:
+        return rows > (INT4_SHORT_ROWS if common.HAVE_AVX2 else common.FEW_ROWS)
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
         t = x.shape[0]
-        if t > common.FEW_ROWS:
+        if self.uses_blas_for(t):
             return self._matmul_blocked(x)
         if common.HAVE_AVX2:
             return self._rows_w4a16(x)

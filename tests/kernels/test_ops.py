@@ -175,3 +175,43 @@ def test_softmax_rows_matches_float64():
     softmax_rows(got, np.float32(0.3))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-9)
     assert np.all(got[1, ::3] == 0)
+
+
+def test_gelu_tanh_mul_is_the_numpy_expression_to_the_bit():
+    """The fused passes do numpy's float32 operations in numpy's order; the float64 formula
+    checks that it is GELU (tanh approximation) at all. ``b`` may be a strided view (a PLE slice)."""
+    from gemmalite.kernels.ops import gelu_tanh_mul
+
+    rng = np.random.default_rng(2)
+    a = (rng.standard_normal((18, 2048)) * 4).astype(np.float32)
+    a[0, :4] = [0.0, -0.0, 30.0, -30.0]
+    b = (rng.standard_normal((18, 3, 2048))).astype(np.float32)[:, 1, :]
+
+    t = a * a
+    t *= a
+    t *= np.float32(0.044715)
+    t += a
+    t *= np.float32(0.7978845608028654)
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= a
+    t *= np.float32(0.5)
+    t *= b
+    got = gelu_tanh_mul(a, b)
+    assert got.dtype == np.float32 and np.array_equal(got, t)
+    a64 = a.astype(np.float64)
+    ref = 0.5 * a64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (a64 + 0.044715 * a64**3))) * b
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(18, 512), (5, 3, 256), (2, 7)])
+def test_rms_norm_matches_float64(shape):
+    from gemmalite.kernels.ops import rms_norm
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 5).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    inv = 1 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(rms_norm(x, w, 1e-6), x64 * inv * w, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rms_norm(x, None, 1e-6), x64 * inv, rtol=1e-6, atol=1e-6)

@@ -7,7 +7,7 @@ import pytest
 
 import gemmalite.weights.matrix as matrix
 from gemmalite.kernels import common
-from gemmalite.weights.matrix import BF16, HalfMatrix
+from gemmalite.weights.matrix import BF16, F32Matrix, HalfMatrix
 
 
 def _half(rows, cols, dtype, seed=0):
@@ -17,7 +17,7 @@ def _half(rows, cols, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("t", [1, 3, common.FEW_ROWS + 1, 40])
+@pytest.mark.parametrize("t", [1, 3, common.FEW_ROWS + 1, 18, common.SHORT_ROWS, common.SHORT_ROWS + 1, 90])
 def test_half_matmul_equals_float64_on_the_same_values(dtype, t, monkeypatch):
     monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 72)  # prefill: several row blocks, the last ragged
     w = _half(333, 72, dtype, seed=t)
@@ -29,6 +29,16 @@ def test_half_matmul_equals_float64_on_the_same_values(dtype, t, monkeypatch):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(m.rows([5, 0, 332]), w[[5, 0, 332]].astype(np.float32))
     assert m.nbytes == 333 * 72 * 2
+
+
+@pytest.mark.parametrize("t", [1, common.FEW_ROWS + 1, 18, common.SHORT_ROWS, common.SHORT_ROWS + 1])
+def test_f32_matmul_equals_float64(t):
+    """float32 weights: decode rows, short inputs (numba tiles, ragged rows and tokens), BLAS."""
+    w = np.random.default_rng(t).standard_normal((333, 72)).astype(np.float32)
+    x = np.random.default_rng(100 + t).standard_normal((t, 72)).astype(np.float32)
+    got = F32Matrix(w).matmul(x)
+    assert got.dtype == np.float32 and got.shape == (t, 333)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
 
 
 def test_half_matrix_keeps_the_mapped_array(tmp_path):

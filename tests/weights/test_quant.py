@@ -40,14 +40,15 @@ def _int8_activations(m, x) -> bool:
 
 def _activation_step(m, x):
     """Half the rounding step of each activation where the kernel quantizes them (with
-    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int8 prefill
-    per TILE_BLOCK values; step = max|x| / 32767, or max|x| / 127 per U8_BLOCK for int8 prefill on VNNI),
-    else 0: the kernel's only error beyond float32."""
+    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int4 up to
+    INT4_SHORT_ROWS rows per group; int8 prefill per TILE_BLOCK values; step = max|x| / 32767,
+    or max|x| / 127 per U8_BLOCK for int8 prefill on VNNI), else 0: the kernel's only error
+    beyond float32."""
     t, k = x.shape
     if not common.HAVE_AVX2:
         return np.zeros_like(x)
     if isinstance(m, Int4Matrix):
-        group = m.group if t <= common.FEW_ROWS else 0
+        group = m.group if t <= quant.INT4_SHORT_ROWS else 0
     elif t <= common.FEW_ROWS:
         group = 32
     else:
@@ -301,6 +302,20 @@ def test_int8_long_rows_use_the_four_row_kernel_exactly():
     ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
     got = m.matmul(x)
     assert np.abs(got - ref).max() <= 1e-5 * (np.abs(x) @ np.abs(m.dense()).T).max()
+
+
+@pytest.mark.parametrize("t", [1, 18])
+def test_matmul_all_shares_the_rounding_to_the_bit(t):
+    """q/k/v-style products of one input (`matmul_all`): each result is the matrix's own
+    `matmul` to the bit, whatever the mix of formats (a float32 one takes ``x`` as it is)."""
+    from gemmalite.weights.matrix import F32Matrix, matmul_all
+
+    rng = np.random.default_rng(t)
+    ws = [rng.standard_normal((n, 512)).astype(np.float32) for n in (64, 32, 48)]
+    mats = [Int8Matrix.quantize(ws[0]), Int8Matrix.quantize(ws[1]), F32Matrix(ws[2])]
+    x = rng.standard_normal((t, 512)).astype(np.float32)
+    for m, y in zip(mats, matmul_all(mats, x)):
+        assert np.array_equal(y, m.matmul(x))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4-32", "int4-64", "Q8_0", "Q5_0"])

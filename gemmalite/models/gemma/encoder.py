@@ -145,7 +145,8 @@ class EncoderGraph:
         self.ple = ple
         self.projection = projection
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
-        self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
+        self._matrices = [m for w in layers for m in w.matrices()] + [ple.projection]
+        self._blas_free: dict[int, bool] = {}  # rows of a pass -> no product of it calls BLAS
 
     def encode(self, sequences: list[np.ndarray],
                soft: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> np.ndarray:
@@ -178,24 +179,28 @@ class EncoderGraph:
         ple = self._ple(h)  # from the merged input embeddings, as the reference computes it
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         segments = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        n = len(ids)
+        if n not in self._blas_free:  # attention in numba only if no product of the pass wakes BLAS's pool
+            self._blas_free[n] = not any(m.uses_blas_for(n) for m in self._matrices)
+        blas_free = self._blas_free[n]
         for spec, w in zip(cfg.layers, self.layers):
             window = cfg.sliding_window if spec.sliding else None
 
             def attend(q, k, v, window=window):
                 if len(segments) == 1:
-                    return self._attend(q, k, v, pos, window)
+                    return self._attend(q, k, v, pos, window, blas_free)
                 out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)
                 for a, b in segments:
-                    out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], pos[a:b], window)
+                    out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], pos[a:b], window, blas_free)
                 return out
 
             h = layer_step(cfg, spec, w, h, ple[:, spec.index, :], ropes[spec.rope], attend)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
-    def _attend(self, q, k, v, pos, window):
+    def _attend(self, q, k, v, pos, window, blas_free: bool):
         if window is not None and window >= len(pos) - 1:
             window = None  # the radius covers the whole sequence: no mask to apply
-        return attention(q, k, v, pos, pos, window, self.cfg.attn_scale, self._blas_free, causal=False)
+        return attention(q, k, v, pos, pos, window, self.cfg.attn_scale, blas_free, causal=False)
 
     def _ple(self, x0: np.ndarray) -> np.ndarray:
         """Projection-only PLE ``[N, L, P]``: the per-layer signal from the input embeddings alone."""

@@ -19,7 +19,7 @@ from ...errors import ContextError
 from ...kernels import common
 from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from ...runtime.cache import SPARE_SLOTS, KVRing, KVState
-from ...weights.matrix import Matrix
+from ...weights.matrix import Matrix, matmul_all
 from .config import ModelConfig
 from .contract import PROJECTIONS
 
@@ -214,19 +214,20 @@ def layer_step(cfg: ModelConfig, spec, w: LayerWeights, h: np.ndarray, ple: np.n
     bias = w.bias or {}
 
     a = rms_norm(h, w.ln_in, eps)
-    q = _proj(w.q, a, bias.get("q"), each).reshape(T, nq, D)
-    q = apply_rope(rms_norm(q, w.q_norm, eps), cos, sin)
+    names = (("q", "k") if spec.k_eq_v else ("q", "k", "v")) if spec.owns_kv else ("q",)
+    qkv = [_bias(y, bias.get(n)) for n, y in zip(names, _mm_all([getattr(w, n) for n in names], a, each))]
+    q = apply_rope(rms_norm(qkv[0].reshape(T, nq, D), w.q_norm, eps), cos, sin)
     k = v = None
     if spec.owns_kv:
-        kr = _proj(w.k, a, bias.get("k"), each).reshape(T, spec.num_kv_heads, D)
-        vr = kr if spec.k_eq_v else _proj(w.v, a, bias.get("v"), each).reshape(T, spec.num_kv_heads, D)
+        kr = qkv[1].reshape(T, spec.num_kv_heads, D)
+        vr = kr if spec.k_eq_v else qkv[2].reshape(T, spec.num_kv_heads, D)
         k = apply_rope(rms_norm(kr, w.k_norm, eps), cos, sin)
         v = rms_norm(vr, None, eps) if cfg.v_norm else vr
     o = attend(q, k, v)
     h = h + rms_norm(_proj(w.o, o, bias.get("o"), each), w.ln_post_attn, eps)
 
     m = rms_norm(h, w.ln_pre_ff, eps)
-    m = _mm(w.down, gelu_tanh_mul(_mm(w.gate, m, each), _mm(w.up, m, each)), each)
+    m = _mm(w.down, gelu_tanh_mul(*_mm_all([w.gate, w.up], m, each)), each)
     h = h + rms_norm(m, w.ln_post_ff, eps)
 
     if ple is not None:
@@ -295,6 +296,17 @@ def _mm_parts(m: Matrix, x: np.ndarray, parts: list[slice]) -> np.ndarray:
     return out
 
 
-def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each=False) -> np.ndarray:
-    y = _mm(m, x, each)
+def _mm_all(mats: list[Matrix], x: np.ndarray, each: "bool | list[slice]") -> list[np.ndarray]:
+    """Products of one input (q/k/v, gate/up) as `_mm` gives them; a plain product shares the
+    input's conversion between the matrices (`matmul_all`)."""
+    if each is False:
+        return matmul_all(mats, x)
+    return [_mm(m, x, each) for m in mats]
+
+
+def _bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     return y + b if b is not None else y
+
+
+def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each: "bool | list[slice]" = False) -> np.ndarray:
+    return _bias(_mm(m, x, each), b)
