@@ -184,7 +184,7 @@ def test_load_tokenizer_takes_the_bundled_name(demo):
 # -- the kernel cache --------------------------------------------------------------------------
 
 def test_kernel_cache_outside_the_package(home, tmp_path):
-    """Kernels compile into $GEMMALITE_CACHE_DIR/numba/<gemmalite, numba, cpu key>, never beside
+    """Kernels compile into $GEMMALITE_CACHE_DIR/numba/<gemmalite, kernel sources, numba, cpu key>, never beside
     the installed package; the first compile says so on stderr, a cache hit says nothing."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["GEMMALITE_CACHE_DIR"] = str(tmp_path / "cache")
@@ -199,9 +199,11 @@ def test_kernel_cache_outside_the_package(home, tmp_path):
     cache_dir, pkg = runs[0].stdout.split()
     import gemmalite
     import numba
+    from gemmalite import settings
 
     assert Path(cache_dir).parent == tmp_path / "cache" / "numba"
-    assert f"gemmalite-{gemmalite.__version__}-numba-{numba.__version__}-cpu-" in Path(cache_dir).name
+    key = f"gemmalite-{gemmalite.__version__}-{settings._kernels_key()}-numba-{numba.__version__}-cpu-"
+    assert key in Path(cache_dir).name
     assert list(Path(cache_dir).rglob("*.nbi")), "no kernel index written to the cache folder"
     assert not [p for p in Path(pkg).rglob("*.nb[ic]") if p.stat().st_mtime > time.time() - 600 and
                 p.is_relative_to(pkg)], "kernels were cached inside the package"
