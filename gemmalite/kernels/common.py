@@ -31,6 +31,10 @@ HAVE_VNNI = (HAVE_AVX2 and os.environ.get("GEMMALITE_VNNI", "1") != "0"
 # each weight once for all rows, and attention for that many query rows runs in numba: a decode
 # step then makes no BLAS call, so OpenBLAS's workers never spin against numba's.
 FEW_ROWS = 4
+
+# Activation rows per weight load in the few-row decode kernels (int8, int4, GGML Q8_0/Q5_0): a tile of
+# weight rows x up to this many tokens; the tail takes a smaller tile.
+TOKEN_TILE = 4
 # Float products (float32 / half weights) of more rows, up to this many (a short query, a short
 # prompt), run numba tiles (`numba_ops.matmul_tiles`): at these sizes they beat BLAS on blocks
 # converted to float32 2-3x (measured 18 rows x 512-2048: ~100 vs ~40 GFLOP/s on two cores).

@@ -15,7 +15,7 @@ import numpy as np
 from numba import literally, njit, prange, types
 from numba.extending import overload
 
-from .common import h2f, nibbles
+from .common import TOKEN_TILE, h2f, nibbles
 from .simd import block_row_dot
 
 QK_K = 256
@@ -333,21 +333,27 @@ KERNELS = {name: make_kernels(name) for name in _KINDS}
 
 
 @njit(inline="always", cache=True)
-def _block_rows(raw, xq, xd, r, t, nt, out, q5):
+def _block_rows(raw, xq, xd, r, t0, nt, out, q5):
+    """`block_row_dot` on row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..TOKEN_TILE): the intrinsic
+    wants literal sizes."""
     if q5:
         if nt == 4:
-            block_row_dot(raw, xq, xd, r, t, out, 5, 4)
+            block_row_dot(raw, xq, xd, r, t0, out, 5, 4)
+        elif nt == 3:
+            block_row_dot(raw, xq, xd, r, t0, out, 5, 3)
         elif nt == 2:
-            block_row_dot(raw, xq, xd, r, t, out, 5, 2)
+            block_row_dot(raw, xq, xd, r, t0, out, 5, 2)
         else:
-            block_row_dot(raw, xq, xd, r, t, out, 5, 1)
+            block_row_dot(raw, xq, xd, r, t0, out, 5, 1)
     else:
         if nt == 4:
-            block_row_dot(raw, xq, xd, r, t, out, 8, 4)
+            block_row_dot(raw, xq, xd, r, t0, out, 8, 4)
+        elif nt == 3:
+            block_row_dot(raw, xq, xd, r, t0, out, 8, 3)
         elif nt == 2:
-            block_row_dot(raw, xq, xd, r, t, out, 8, 2)
+            block_row_dot(raw, xq, xd, r, t0, out, 8, 2)
         else:
-            block_row_dot(raw, xq, xd, r, t, out, 8, 1)
+            block_row_dot(raw, xq, xd, r, t0, out, 8, 1)
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
@@ -355,12 +361,9 @@ def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
     sequences) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as gemmalite's
     own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
-    all T rows and each of its chunks widened once for up to 4 of them, each row's result bit for
-    bit its T=1 result."""
-    n_t = xq.shape[0]
+    all T rows and each of its chunks widened once per TOKEN_TILE of them (the tiles of the int8
+    and int4 decode kernels), each row's result bit for bit its T=1 result."""
+    t_all = xq.shape[0]
     for r in prange(raw.shape[0]):
-        t = 0
-        while t < n_t:
-            nt = 4 if n_t - t >= 4 else (2 if n_t - t >= 2 else 1)
-            _block_rows(raw, xq, xd, r, t, nt, out, q5)
-            t += nt
+        for t0 in range(0, t_all, TOKEN_TILE):
+            _block_rows(raw, xq, xd, r, t0, min(TOKEN_TILE, t_all - t0), out, q5)

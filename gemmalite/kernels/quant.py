@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import h2f, nibbles, prefetch
+from .common import TOKEN_TILE, h2f, nibbles, prefetch
 from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
@@ -116,7 +116,6 @@ def i8_mv4(q, scale, x, out):
             out[3, r] = a3 * s
 
 
-TOKEN_TILE = 4  # activation rows per weight load in the decode kernels (a tile of rows x tokens)
 
 
 @njit(inline="always", **_FAST)
