@@ -386,8 +386,15 @@ def group_sums(x, group, xs):
             xs[i, g] = s
 
 
+@njit(inline="always", **_JIT)
+def _i4_min(mins, scales, r, g, sym):
+    """The group's min: stored, or -8 times the scale for the symmetric format (``sym``; ``mins``
+    is then any uint16 array, unread)."""
+    return np.float32(-8.0) * h2f(scales[r, g]) if sym else h2f(mins[r, g])
+
+
 @njit(parallel=True, **_FAST)
-def i4_mv1(packed, scales, mins, x, xs, group, out):
+def i4_mv1(packed, scales, mins, x, xs, group, out, sym=False):
     """out[0, r] = sum_g d_g * sum_j n_j x_j + m_g * sum_g(x)."""
     n = packed.shape[0]
     ng = scales.shape[1]
@@ -397,7 +404,6 @@ def i4_mv1(packed, scales, mins, x, xs, group, out):
     for r in prange(n):
         pr = packed[r]
         sr = scales[r]
-        mr = mins[r]
         acc = np.float32(0.0)
         for g in range(ng):
             p = pr[g * h : g * h + h]
@@ -407,7 +413,7 @@ def i4_mv1(packed, scales, mins, x, xs, group, out):
             for j in range(h):
                 lo, hi = nibbles(p[j])
                 s += lo * xa[j] + hi * xb[j]
-            acc += h2f(sr[g]) * s + h2f(mr[g]) * xs0[g]
+            acc += h2f(sr[g]) * s + _i4_min(mins, scales, r, g, sym) * xs0[g]
         out[0, r] = acc
 
 
@@ -482,7 +488,7 @@ def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
 
 
 @njit(parallel=True, **_FAST)
-def i4_mv4(packed, scales, mins, x, xs, group, out):
+def i4_mv4(packed, scales, mins, x, xs, group, out, sym=False):
     """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
     n = packed.shape[0]
     ng = scales.shape[1]
@@ -498,7 +504,6 @@ def i4_mv4(packed, scales, mins, x, xs, group, out):
     for r in prange(n):
         pr = packed[r]
         sr = scales[r]
-        mr = mins[r]
         a0 = np.float32(0.0)
         a1 = np.float32(0.0)
         a2 = np.float32(0.0)
@@ -525,7 +530,7 @@ def i4_mv4(packed, scales, mins, x, xs, group, out):
                 s2 += lo * y2a[j] + hi * y2b[j]
                 s3 += lo * y3a[j] + hi * y3b[j]
             d = h2f(sr[g])
-            m = h2f(mr[g])
+            m = _i4_min(mins, scales, r, g, sym)
             a0 += d * s0 + m * xs[0, g]
             a1 += d * s1 + m * xs[i1, g]
             a2 += d * s2 + m * xs[i2, g]
@@ -547,23 +552,22 @@ def i4_dequant_group(p, d, mn, oa, ob):
 
 
 @njit(**_JIT)
-def i4_dequant_row(packed, scales, mins, r, group, o):
+def i4_dequant_row(packed, scales, mins, r, group, o, sym):
     h = group // 2
     pr = packed[r]
     sr = scales[r]
-    mr = mins[r]
     for g in range(sr.shape[0]):
-        i4_dequant_group(pr[g * h : g * h + h], h2f(sr[g]), h2f(mr[g]),
+        i4_dequant_group(pr[g * h : g * h + h], h2f(sr[g]), _i4_min(mins, scales, r, g, sym),
                           o[g * group : g * group + h], o[g * group + h : g * group + group])
 
 
 @njit(**_JIT)
-def i4_dequant_range(packed, scales, mins, r0, group, out):
+def i4_dequant_range(packed, scales, mins, r0, group, out, sym=False):
     for i in range(out.shape[0]):
-        i4_dequant_row(packed, scales, mins, r0 + i, group, out[i])
+        i4_dequant_row(packed, scales, mins, r0 + i, group, out[i], sym)
 
 
 @njit(**_JIT)
-def i4_dequant_ids(packed, scales, mins, ids, group, out):
+def i4_dequant_ids(packed, scales, mins, ids, group, out, sym=False):
     for i in range(out.shape[0]):
-        i4_dequant_row(packed, scales, mins, ids[i], group, out[i])
+        i4_dequant_row(packed, scales, mins, ids[i], group, out[i], sym)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import common
+from ..kernels.int4s import activation_pairs, i4s_fit, i4s_mvn_w4a8, i4s_pack
 from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv4, i4_mvn_w4a16,
                              i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
                              i8_block_corr, i8_mm_w8a8, i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize,
@@ -260,19 +261,23 @@ class Int8Matrix(_Quantized):
 
 
 class Int4Matrix(_Quantized):
-    """Asymmetric grouped int4: ``W[r, g*G+i] = scales[r, g] * n + mins[r, g]``, n in 0..15.
+    """Grouped int4: asymmetric ``W[r, g*G+i] = scales[r, g] * n + mins[r, g]``, or symmetric
+    (``mins`` None, G = 32) ``W[r, 32g+i] = scales[r, g] * (n - 8)``; n in 0..15.
 
     ``packed`` uint8 ``[out, in//2]`` (see the module docstring for the nibble order),
-    ``scales`` and ``mins`` float16 ``[out, in//group]``.
+    ``scales`` (and ``mins``) float16 ``[out, in//group]``. The symmetric format
+    (`gemmalite.kernels.int4s`) is what ``quantize(w, "int4")`` and ``convert --quant int4`` make;
+    asymmetric checkpoints converted before it still load and run.
     """
 
     GROUPS = (32, 64)
 
-    def __init__(self, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray,
+    def __init__(self, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
                  shape: tuple[int, int] | None = None, group: int | None = None):
         packed = np.asarray(packed)
         scales = np.asarray(scales)
-        mins = np.asarray(mins)
+        self.symmetric = mins is None
+        mins = scales if mins is None else np.asarray(mins)  # (symmetric: a stand-in the kernels never read)
         if packed.ndim != 2 or packed.dtype != np.uint8:
             raise ValueError(f"packed must be 2-D uint8, got {packed.dtype} {packed.shape}")
         n, k = packed.shape[0], packed.shape[1] * 2
@@ -284,27 +289,33 @@ class Int4Matrix(_Quantized):
         if group is not None and group != g:
             raise ValueError(f"group {group} does not match the shapes (implied {g})")
         _check_group(k, g)
+        if self.symmetric and g != 32:
+            raise ValueError(f"symmetric int4 takes groups of 32 values, got {g}")
         if scales.dtype != np.float16 or mins.dtype != np.float16 or mins.shape != scales.shape:
             raise ValueError("scales and mins must be float16 arrays of the same shape")
         self.packed = np.ascontiguousarray(packed)
         self.scales = np.ascontiguousarray(scales)
-        self.mins = np.ascontiguousarray(mins)
+        self.mins = None if self.symmetric else np.ascontiguousarray(mins)
         self._s16 = self.scales.view(np.uint16)
-        self._m16 = self.mins.view(np.uint16)
+        self._m16 = self._s16 if self.symmetric else self.mins.view(np.uint16)
         self.group = g
         self.shape = (n, k)
 
     @classmethod
-    def quantize(cls, w: np.ndarray, group: int = 32, search: bool = True) -> "Int4Matrix":
+    def quantize(cls, w: np.ndarray, group: int = 32, search: bool = True,
+                 symmetric: bool = False) -> "Int4Matrix":
         """Quantize a float32/bfloat16/float16 ``[out, in]`` array, QUANT_BLOCK rows at a time.
 
         ``search`` fits each group's scale/min by weighted least squares (slower, more
-        accurate); otherwise the grid spans the group's [min, max] exactly.
+        accurate); otherwise the grid spans the group's [min, max] exactly. ``symmetric``: the
+        4.5-bit format (groups of 32; ``search`` off is llama.cpp Q4_0's rounding).
         """
         if w.ndim != 2:
             raise ValueError("w must be 2-D")
         n, k = w.shape
         _check_group(k, group)
+        if symmetric:
+            return cls._quantize_symmetric(w, group, search)
         ng = k // group
         packed = np.empty((n, k // 2), dtype=np.uint8)
         scales = np.empty((n, ng), dtype=np.float16)
@@ -323,22 +334,41 @@ class Int4Matrix(_Quantized):
             i4_pack(wb, group, d16.astype(np.float32), m16.astype(np.float32), packed[r0:r1])
         return cls(packed, scales, mins)
 
+    @classmethod
+    def _quantize_symmetric(cls, w: np.ndarray, group: int, search: bool) -> "Int4Matrix":
+        if group != 32:
+            raise ValueError(f"symmetric int4 takes groups of 32 values, got {group}")
+        n, k = w.shape
+        packed = np.empty((n, k // 2), dtype=np.uint8)
+        scales = np.empty((n, k // 32), dtype=np.float16)
+        for r0 in range(0, n, QUANT_BLOCK):
+            r1 = min(n, r0 + QUANT_BLOCK)
+            wb = _as_f32_block(w[r0:r1])
+            d = np.empty((r1 - r0, k // 32), dtype=np.float32)
+            i4s_fit(wb, search, d)
+            with np.errstate(over="ignore"):
+                scales[r0:r1] = d.astype(np.float16)
+            i4s_pack(wb, scales[r0:r1].astype(np.float32), packed[r0:r1])
+        return cls(packed, scales, None)
+
     def tensors(self) -> dict[str, np.ndarray]:
+        if self.symmetric:
+            return {"packed": self.packed, "scales": self.scales}
         return {"packed": self.packed, "scales": self.scales, "mins": self.mins}
 
     @classmethod
     def from_tensors(cls, d: dict) -> "Int4Matrix":
-        return cls(d["packed"], d["scales"], d["mins"])
+        return cls(d["packed"], d["scales"], d.get("mins"))
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales.nbytes + self.mins.nbytes
+        return self.packed.nbytes + self.scales.nbytes + (0 if self.symmetric else self.mins.nbytes)
 
     def _dequant_ids(self, ids, out):
-        i4_dequant_ids(self.packed, self._s16, self._m16, ids, self.group, out)
+        i4_dequant_ids(self.packed, self._s16, self._m16, ids, self.group, out, self.symmetric)
 
     def _dequant_range(self, r0, out):
-        i4_dequant_range(self.packed, self._s16, self._m16, r0, self.group, out)
+        i4_dequant_range(self.packed, self._s16, self._m16, r0, self.group, out, self.symmetric)
 
     def uses_blas_for(self, rows: int) -> bool:
         return rows > (INT4_SHORT_ROWS if common.HAVE_AVX2 else common.FEW_ROWS)
@@ -349,21 +379,32 @@ class Int4Matrix(_Quantized):
         if self.uses_blas_for(t):
             return self._matmul_blocked(x)
         if common.HAVE_AVX2:
-            return self._rows_w4a16(x)
+            return self._rows_w4a8(x) if self.symmetric else self._rows_w4a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 0:
             return out
         xs = np.empty((t, self.shape[1] // self.group), dtype=np.float32)
         group_sums(x, self.group, xs)
         if t == 1:
-            i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out)
+            i4_mv1(self.packed, self._s16, self._m16, x, xs, self.group, out, self.symmetric)
         else:
-            i4_mv4(self.packed, self._s16, self._m16, x, xs, self.group, out)
+            i4_mv4(self.packed, self._s16, self._m16, x, xs, self.group, out, self.symmetric)
         return out
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
-        return self._rows_w4a16(x) if common.HAVE_AVX2 else super().matmul_each(x)
+        if not common.HAVE_AVX2:
+            return super().matmul_each(x)
+        return self._rows_w4a8(x) if self.symmetric else self._rows_w4a16(x)
+
+    def _rows_w4a8(self, x: np.ndarray) -> np.ndarray:
+        """Rows of ``x``, each computed as alone, weights read once: the symmetric decode kernel,
+        x in int8 per 32 values (W4A8; 8-bit dot products on VNNI, else AVX2's 8-bit multiply-add)."""
+        xq, xc, xd = activation_pairs(x)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        i4s_mvn_w4a8(self.packed, self._s16, xq, xc, xd, _rows_per_task(x.shape[0], self.shape[1]),
+                     common.HAVE_VNNI, out)
+        return out
 
     def _rows_w4a16(self, x: np.ndarray) -> np.ndarray:
         """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W4A16)."""
@@ -374,7 +415,7 @@ class Int4Matrix(_Quantized):
         return out
 
     def __repr__(self):
-        return f"Int4Matrix{self.shape}(group={self.group})"
+        return f"Int4Matrix{self.shape}({'symmetric' if self.symmetric else f'group={self.group}'})"
 
 
 FOUR_ROW_TILES = 8  # from this many activation rows on (the 16-bit multiply-adds bound the step, not the
@@ -399,7 +440,7 @@ def quantize(w: np.ndarray, kind: str) -> "Int8Matrix | Int4Matrix":
     """``kind`` "int8" or "int4"; int4 falls back to int8 for a matrix whose input width is not a
     multiple of the group (only toy shapes: real Gemma widths are multiples of 256)."""
     if kind == "int4" and w.shape[1] % Int4Matrix.GROUPS[0] == 0:
-        return Int4Matrix.quantize(w)
+        return Int4Matrix.quantize(w, symmetric=True)
     if kind not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {kind!r}")
     return Int8Matrix.quantize(w)

@@ -1,0 +1,346 @@
+"""Symmetric int4 (one float16 scale per 32 values, 4.5 bits per weight) against 8-bit activations.
+
+The format (`gemmalite.weights.quant.Int4Matrix` with ``symmetric``): ``W[r, 32g + i] = d[r, g] *
+(n - 8)``, ``n`` in ``0..15``, packed two per byte as the asymmetric int4 (byte ``j`` of a group:
+value ``j`` low, ``j + 16`` high), so the unsigned nibbles are the unsigned operand of an 8-bit
+dot product as they stand. Decode rounds each activation row to int8 per 32 values (step
+``max|x| / 127``, the llama.cpp Q8_0 activations that Q4_0 meets too) and sums each block
+exactly in int32: ``sum (n - 8) x = sum n x - 8 sum x``, the second term from the activations
+alone (``xc``). 32 bytes of weights (two blocks) take one load, two mask/shift ops and, per
+activation row, two ``vpdpbusd`` (VNNI) or two ``vpmaddubsw`` + ``vpmaddwd`` (AVX2): the same
+exact integers either way, so both paths give the same bits.
+
+The scale is searched per block (least squares over candidate grids, plain squared error),
+where Q4_0 maps the largest magnitude to -8: a lower weight error at Q4_0's size.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import common
+from .common import TOKEN_TILE
+from .simd import _EXACT, _I8, _I16, _I32, _I64, _F32, _fma, _hsum, _literal, _first_args, _load_vec, _open_loop, \
+    _pmadd, _splat, _vec, _vpdpbusd
+
+__all__ = ["i4s_fit", "i4s_pack", "round_i8_pairs", "int4s_rows_dot", "i4s_mvn_w4a8", "activation_pairs"]
+
+_JIT = dict(cache=True, error_model="numpy", boundscheck=False)
+_FAST = dict(_JIT, fastmath=True)
+
+# Does the CPU itself have vpdpbusd (whatever GEMMALITE_VNNI says)? Code for it is only emitted then.
+_CPU_VNNI = ("+avx512vnni" in common._FEATURES and "+avx512vl" in common._FEATURES) or "+avxvnni" in common._FEATURES
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+@njit(parallel=True, **_FAST)
+def i4s_fit(w, search, d_out):
+    """Scale per block of 32 of ``w`` float32 ``[n, k]`` into ``d_out [n, k // 32]``.
+
+    Without ``search``: Q4_0's rule (the value of largest magnitude maps to -8). With it: among
+    the grids that map that value to -(8 + s/10) or to 7 + s/10 (``s`` in -8..8), the
+    least-squares scale of the one with the least squared error (the error at the fitted scale
+    is ``sum v^2 - (sum v l)^2 / sum l^2``, so only the two sums are needed)."""
+    n, k = w.shape
+    for r in prange(n):
+        for g in range(k // 32):
+            v = w[r, g * 32 : g * 32 + 32]
+            vmax = np.float32(0.0)
+            for i in range(32):
+                if abs(v[i]) > abs(vmax):
+                    vmax = v[i]
+            if vmax == 0:
+                d_out[r, g] = 0.0
+                continue
+            best_d = vmax / np.float32(-8.0)
+            if search:
+                best = np.float32(-1.0)
+                for fam in range(2):
+                    for s in range(-8, 9):
+                        if fam == 0:
+                            iscale = -(np.float32(8.0) + np.float32(0.1) * s) / vmax
+                        else:
+                            iscale = (np.float32(7.0) + np.float32(0.1) * s) / vmax
+                        svl = np.float32(0.0)
+                        sll = np.float32(0.0)
+                        for i in range(32):
+                            q = min(max(np.rint(iscale * v[i]), np.float32(-8.0)), np.float32(7.0))
+                            svl += v[i] * q
+                            sll += q * q
+                        if sll > 0 and svl * svl / sll > best:
+                            best = svl * svl / sll
+                            best_d = svl / sll
+            d_out[r, g] = best_d
+
+
+@njit(parallel=True, **_JIT)
+def i4s_pack(w, d, packed):
+    """Round with the *stored* (float16, here as float32) scales ``d [n, k // 32]`` and pack:
+    ``n = clip(rint(w / d), -8, 7) + 8``, value ``j`` low and ``j + 16`` high nibble of byte ``j``."""
+    n, k = w.shape
+    for r in prange(n):
+        for g in range(k // 32):
+            dg = d[r, g]
+            inv = np.float32(1.0) / dg if dg != 0 else np.float32(0.0)
+            for j in range(16):
+                a = min(max(np.rint(w[r, g * 32 + j] * inv), -8.0), 7.0) + 8.0
+                b = min(max(np.rint(w[r, g * 32 + 16 + j] * inv), -8.0), 7.0) + 8.0
+                packed[r, g * 16 + j] = np.uint8(np.int32(a) | (np.int32(b) << 4))
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@njit(**_JIT)
+def round_i8_pairs(x, xq, xc, xd):
+    """Each row of ``x [T, k]`` (k a multiple of 32) -> int8 per block of 32 (step ``max|x| /
+    127``, round to nearest; error <= step / 2), laid out for `int4s_rows_dot`: blocks in pairs
+    ``p`` (blocks 2p, 2p+1; a last odd block pairs with zeros), ``xq [T, 64 P]`` holding
+    ``[2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]`` (what a 32-byte load of packed
+    nibbles meets, low nibbles then high); ``xd [T, 8 P]`` the step of block 2p in lanes 0-3 and
+    of 2p+1 in lanes 4-7; ``xc [T, 8 P]`` int32: -8 times the block's sum of int8 values in lane 0
+    / 4, else 0. The arrays come zeroed. Each row is rounded on its own."""
+    t, k = x.shape
+    for i in range(t):
+        for g in range(k // 32):
+            p = g >> 1
+            h = g & 1
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(x[i, g * 32 + j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            s = 0
+            for j in range(32):
+                q = np.int32(np.rint(x[i, g * 32 + j] * inv))
+                s += q
+                xq[i, p * 64 + h * 16 + (j & 15) + (j >> 4) * 32] = q
+            xc[i, p * 8 + h * 4] = -8 * s
+            for j in range(4):
+                xd[i, p * 8 + h * 4 + j] = d
+
+
+def activation_pairs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x [T, k]`` float32 as `int4s_rows_dot` takes it (`round_i8_pairs`)."""
+    t, k = x.shape
+    npair = (k // 32 + 1) // 2
+    xq = np.zeros((t, 64 * npair), dtype=np.int8)
+    xc = np.zeros((t, 8 * npair), dtype=np.int32)
+    xd = np.zeros((t, 8 * npair), dtype=np.float32)
+    round_i8_pairs(x, xq, xc, xd)
+    return xq, xc, xd
+
+
+# --------------------------------------------------------------------------- the dot product
+
+
+def _pmaddubsw(builder):
+    """``llvm.x86.avx2.pmadd.ub.sw``: 32 x u8 * s8, adjacent pairs summed into 16 x int16."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_vec(_I16, 16), [_vec(_I8, 32), _vec(_I8, 32)]), "llvm.x86.avx2.pmadd.ub.sw")
+
+
+def _dot_u8s8(builder, vnni: bool):
+    """``acc + sums of four u8 * s8 products per int32 lane`` for ``(acc <8 x i32>, a, b <32 x i8>)``:
+    ``vpdpbusd`` where asked and the CPU has it, else ``vpmaddubsw`` (no saturation: |15 * 127 *
+    2| < 2^15) and ``vpmaddwd`` by ones. Exactly the same integers."""
+    v8 = _vec(_I32, 8)
+    if vnni and _CPU_VNNI:
+        fn = _vpdpbusd(builder)
+        return lambda acc, a, b: builder.call(fn, [acc, builder.bitcast(a, v8), builder.bitcast(b, v8)])
+    mubs, madd = _pmaddubsw(builder), _pmadd(builder)
+    ones = ir.Constant(_vec(_I16, 16), [1] * 16)
+    return lambda acc, a, b: builder.add(acc, builder.call(madd, [builder.call(mubs, [a, b]), ones]))
+
+
+def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
+    """IR of `int4s_rows_dot` for a tile of ``nrows`` weight rows x ``ntok`` activation rows.
+
+    Per pair of blocks and (row, token): an int32 accumulator starts at the token's ``xc`` and
+    takes the low nibbles against ``xq[64p : 64p + 32]`` and the high ones against the next 32
+    (lanes 0-3 then hold block 2p's exact sum, 4-7 block 2p+1's), is converted to float32 and
+    FMA'd, times ``d_w * xd`` (one rounding, the product of the block's two scales), into eight
+    float32 lanes, summed at the end. Every (row, token) takes the same float sequence whatever
+    the tile, so each output is bit for bit its 1 x 1 result."""
+    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+
+    def codegen(context, builder, signature, args):
+        pty, sty, qty, cty, dty, _, _, oty = signature.args
+        wa = context.make_array(pty)(context, builder, args[0])
+        sa = context.make_array(sty)(context, builder, args[1])
+        xqa = context.make_array(qty)(context, builder, args[2])
+        xca = context.make_array(cty)(context, builder, args[3])
+        xda = context.make_array(dty)(context, builder, args[4])
+        oa = context.make_array(oty)(context, builder, args[7])
+        r0, t0 = args[5], args[6]
+        row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
+        ng = cgutils.unpack_tuple(builder, sa.shape)[1]
+        x_len = cgutils.unpack_tuple(builder, xqa.shape)[1]
+        c_len = cgutils.unpack_tuple(builder, xca.shape)[1]
+        out_len = cgutils.unpack_tuple(builder, oa.shape)[1]
+        dot = _dot_u8s8(builder, vnni)
+        rows = [builder.add(r0, c64(i)) for i in range(nrows)]
+        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
+        wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
+        srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
+        xrow = [builder.gep(xqa.data, [builder.mul(t, x_len)], inbounds=True) for t in toks]
+        crow = [builder.gep(xca.data, [builder.mul(t, c_len)], inbounds=True) for t in toks]
+        drow = [builder.gep(xda.data, [builder.mul(t, c_len)], inbounds=True) for t in toks]
+        npair = builder.lshr(ng, c64(1))
+        f8 = _vec(_F32, 8)
+
+        def step(p, ws, ss, facc):
+            """One pair of blocks: ``ws`` each row's 32 bytes, ``ss`` its scales over eight lanes."""
+            nib = [(builder.and_(w, ir.Constant(_vec(_I8, 32), [15] * 32)),
+                    builder.lshr(w, ir.Constant(_vec(_I8, 32), [4] * 32))) for w in ws]
+            xo = builder.mul(p, c64(64))
+            co = builder.mul(p, c64(8))
+            new = {}
+            for j in range(ntok):
+                x0 = _load_vec(builder, xrow[j], xo, _vec(_I8, 32))
+                x1 = _load_vec(builder, xrow[j], builder.add(xo, c64(32)), _vec(_I8, 32))
+                c = _load_vec(builder, crow[j], co, _vec(_I32, 8))
+                xd = _load_vec(builder, drow[j], co, f8)
+                for i in range(nrows):
+                    acc = dot(dot(c, nib[i][0], x0), nib[i][1], x1)
+                    sc = builder.fmul(ss[i], xd, flags=_EXACT)
+                    new[i, j] = _fma(builder, builder.sitofp(acc, f8), sc, facc[i, j])
+            return new
+
+        entry, head, body, done = _open_loop(builder, "int4s")
+        p = builder.phi(_I64)
+        p.add_incoming(c64(0), entry)
+        facc = {}
+        for i in range(nrows):
+            for j in range(ntok):
+                facc[i, j] = builder.phi(f8)
+                facc[i, j].add_incoming(ir.Constant(f8, [0.0] * 8), entry)
+        builder.cbranch(builder.icmp_signed("<", p, npair), body, done)
+
+        builder.position_at_end(body)
+        half2 = ir.VectorType(ir.HalfType(), 2)
+        ws = [_load_vec(builder, w, builder.mul(p, c64(32)), _vec(_I8, 32)) for w in wrow]
+        ss = []
+        for s in srow:
+            two = builder.load(builder.bitcast(builder.gep(s, [builder.mul(p, c64(2))], inbounds=True),
+                                               half2.as_pointer()), align=2)
+            two = builder.fpext(two, _vec(_F32, 2))
+            ss.append(builder.shuffle_vector(two, two, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])))
+        new = step(p, ws, ss, facc)
+        for key, v in new.items():
+            facc[key].add_incoming(v, builder.block)
+        p.add_incoming(builder.add(p, c64(1)), builder.block)
+        builder.branch(head)
+
+        # a last odd block: its 16 bytes with zeros above (its activations' upper half is zero too)
+        builder.position_at_end(done)
+        tail = builder.function.append_basic_block("int4s.tail")
+        end = builder.function.append_basic_block("int4s.end")
+        odd = builder.icmp_unsigned("!=", builder.and_(ng, c64(1)), c64(0))
+        builder.cbranch(odd, tail, end)
+        builder.position_at_end(tail)
+        zero16 = ir.Constant(_vec(_I8, 16), [0] * 16)
+        ws = [builder.shuffle_vector(_load_vec(builder, w, builder.mul(npair, c64(32)), _vec(_I8, 16)), zero16,
+                                     ir.Constant(_vec(_I32, 32), list(range(32)))) for w in wrow]
+        ss = [_splat(builder, builder.fpext(builder.load(builder.bitcast(
+            builder.gep(s, [builder.mul(npair, c64(2))], inbounds=True), ir.HalfType().as_pointer()), align=2),
+            _F32), 8) for s in srow]
+        tail_acc = step(npair, ws, ss, facc)
+        tail_end = builder.block
+        builder.branch(end)
+        builder.position_at_end(end)
+        res = {}
+        for key, acc in facc.items():
+            res[key] = builder.phi(f8)
+            res[key].add_incoming(acc, done)
+            res[key].add_incoming(tail_acc[key], tail_end)
+        for (i, j), v in res.items():
+            at = builder.add(builder.mul(toks[j], out_len), rows[i])
+            builder.store(_hsum(builder, v), builder.gep(oa.data, [at], inbounds=True))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def int4s_rows_dot(typingctx, packed, scales, xq, xc, xd, r0, t0, out, nrows, ntok, vnni):
+    """``out[t, r] = sum_g f16(scales[r, g]) * step[t, g] * sum_i (n[r, g, i] - 8) * x8[t, g, i]``
+    for rows ``r0 .. r0 + nrows - 1`` of a symmetric int4 matrix and activation rows ``t0 .. t0 +
+    ntok - 1`` (``xq``/``xc``/``xd`` from `round_i8_pairs`).
+
+    ``packed`` uint8 ``[out, in // 2]``, ``scales`` uint16 float16 bits ``[out, in // 32]``, ``out``
+    float32 ``[T, out]``; all C-contiguous. ``nrows`` (1-8), ``ntok`` (1-8) and ``vnni`` (0, 1: use
+    ``vpdpbusd`` if the CPU has it) must be literals. Needs AVX2."""
+    if not (_literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9)) and _literal(vnni, (0, 1))):
+        return None
+    inner = _int4s_codegen(nrows.literal_value, ntok.literal_value, bool(vnni.literal_value))
+    return types.void(packed, scales, xq, xc, xd, r0, t0, out, nrows, ntok, vnni), _first_args(inner, 8)
+
+
+@njit(inline="always", **_FAST)
+def _tile(packed, scales, xq, xc, xd, r, t0, nt, out, four, vnni):
+    """`int4s_rows_dot` on rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1``
+    (``nt`` 1..4), with literal tile sizes."""
+    if vnni:
+        if four:
+            if nt == 4:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 1)
+            elif nt == 3:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 1)
+            elif nt == 2:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 1)
+            else:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 1)
+        else:
+            if nt == 4:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 1)
+            elif nt == 3:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 1)
+            elif nt == 2:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 1)
+            else:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 1)
+    else:
+        if four:
+            if nt == 4:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 0)
+            elif nt == 3:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 0)
+            elif nt == 2:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 0)
+            else:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 0)
+        else:
+            if nt == 4:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 0)
+            elif nt == 3:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 0)
+            elif nt == 2:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 0)
+            else:
+                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 0)
+
+
+@njit(parallel=True, **_FAST)
+def i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out):
+    """Rows of x (``xq``/``xc``/``xd`` from `round_i8_pairs`, ``out [T, n]``): a decode step, a
+    prompt-lookup step, a batch of sequences. Tiles of ``rows_per_task`` (1 or 4) weight rows x up
+    to TOKEN_TILE activation rows: each weight row read from memory once for all T rows; every
+    row's result bit for bit its T=1 result. ``vnni``: 8-bit dot products (where the CPU has them)."""
+    n = packed.shape[0]
+    t_all = xq.shape[0]
+    for b in prange((n + rows_per_task - 1) // rows_per_task):
+        r = b * rows_per_task
+        r1 = min(n, r + rows_per_task)
+        for t0 in range(0, t_all, TOKEN_TILE):
+            nt = min(TOKEN_TILE, t_all - t0)
+            if rows_per_task == 4 and r + 4 == r1:
+                _tile(packed, scales, xq, xc, xd, r, t0, nt, out, True, vnni)
+            else:
+                for i in range(r, r1):
+                    _tile(packed, scales, xq, xc, xd, i, t0, nt, out, False, vnni)

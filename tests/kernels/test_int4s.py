@@ -1,0 +1,113 @@
+"""The symmetric int4 kernels (`gemmalite.kernels.int4s`) against float64 math: the scale fit, the
+int8 activation layout, and the W4A8 dot product on both the VNNI and the AVX2 instruction paths."""
+import numpy as np
+import pytest
+
+from gemmalite.kernels import common
+from gemmalite.kernels.int4s import activation_pairs, i4s_fit, i4s_mvn_w4a8, i4s_pack
+
+pytestmark = pytest.mark.skipif(not common.HAVE_AVX2, reason="no AVX2 on this CPU")
+
+
+def _quantized(n, k, seed, search=True):
+    rng = np.random.default_rng(seed)
+    w = (0.02 * rng.standard_t(4, size=(n, k))).astype(np.float32)
+    w[1] = 0.0
+    d = np.empty((n, k // 32), np.float32)
+    i4s_fit(w, search, d)
+    d16 = d.astype(np.float16)
+    packed = np.empty((n, k // 2), np.uint8)
+    i4s_pack(w, d16.astype(np.float32), packed)
+    return w, packed, d16
+
+
+def _values(packed):
+    """Nibbles - 8 in value order (byte j of a block: value j low, j + 16 high), float64."""
+    n = packed.shape[0]
+    lo, hi = (packed & 15).reshape(n, -1, 16), (packed >> 4).reshape(n, -1, 16)
+    return np.concatenate([lo, hi], axis=2).reshape(n, -1).astype(np.float64) - 8
+
+
+def _int8_rows(x):
+    """float64 oracle of the activation rounding: int8 per 32 values, step max|x| / 127."""
+    t, k = x.shape
+    xr = x.reshape(t, k // 32, 32)
+    step = np.abs(xr).max(2) / np.float32(127)  # float32, as the kernel
+    inv = np.where(step > 0, np.float32(1) / np.where(step > 0, step, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(xr * inv[..., None])
+    return q.astype(np.float64), step.astype(np.float64)
+
+
+def test_fit_and_pack_match_the_format():
+    w, packed, d16 = _quantized(40, 256, seed=0)
+    deq = _values(packed) * np.repeat(d16.astype(np.float64), 32, 1)
+    d = np.repeat(np.abs(d16.astype(np.float64)), 32, 1)
+    inside = np.abs(w / np.where(d > 0, d, 1)) <= 7.5
+    err = np.abs(deq - w)
+    assert np.all(err[inside] <= d[inside] * 0.5001 + 1e-12)
+    assert np.all(deq[1] == 0)
+    # the search never does worse than Q4_0's rule on a block, and better overall
+    _, p0, d0 = _quantized(40, 256, seed=0, search=False)
+    deq0 = _values(p0) * np.repeat(d0.astype(np.float64), 32, 1)
+    e, e0 = ((deq - w) ** 2).reshape(40, 8, 32).sum(2), ((deq0 - w) ** 2).reshape(40, 8, 32).sum(2)
+    assert np.all(e <= e0 * 1.01 + 1e-12)
+    assert e.sum() < 0.95 * e0.sum()  # ~8 % on these t(4) weights, ~11 % on Gaussian ones
+    # Q4_0's rule: the value of largest magnitude maps to -8 exactly (up to its float16 scale)
+    big = np.take_along_axis(w.reshape(40, 8, 32), np.abs(w.reshape(40, 8, 32)).argmax(2)[..., None], 2)[..., 0]
+    np.testing.assert_allclose(d0.astype(np.float32), big / -8, rtol=1e-3)
+
+
+@pytest.mark.parametrize("k", [96, 256])
+def test_activation_layout(k):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[1] = 0.0
+    xq, xc, xd = activation_pairs(x)
+    q, step = _int8_rows(x)
+    npair = (k // 32 + 1) // 2
+    assert xq.shape == (3, 64 * npair) and xc.shape == xd.shape == (3, 8 * npair)
+    for g in range(k // 32):
+        p, h = divmod(g, 2)
+        got = np.concatenate([xq[:, 64 * p + 16 * h: 64 * p + 16 * h + 16], xq[:, 64 * p + 32 + 16 * h: 64 * p + 48 + 16 * h]], 1)
+        np.testing.assert_array_equal(got, q[:, g])
+        np.testing.assert_array_equal(xc[:, 8 * p + 4 * h], -8 * q[:, g].sum(1))
+        np.testing.assert_array_equal(xd[:, 8 * p + 4 * h: 8 * p + 4 * h + 4], np.repeat(step[:, g:g + 1], 4, 1))
+    if (k // 32) % 2:  # the lone last block's partner is zero
+        assert not xq[:, -48:-32].any() and not xq[:, -16:].any() and not xd[:, -4:].any() and not xc[:, -4:].any()
+
+
+@pytest.mark.parametrize("k", [96, 320, 512])
+@pytest.mark.parametrize("rows_per_task", [1, 4])
+def test_w4a8_dot_against_float64(k, rows_per_task):
+    """Both instruction paths: the exact integer block sums times the two scales, to float32
+    accumulation error; each activation row bit for bit its one-row result; the two paths equal."""
+    n = 37
+    w, packed, d16 = _quantized(n, k, seed=2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    x[:, :5] *= 30  # outliers, as in real activations
+    xq, xc, xd = activation_pairs(x)
+    q, step = _int8_rows(x)
+    wv = _values(packed).reshape(n, k // 32, 32)
+    dw = d16.astype(np.float64)
+    terms = np.einsum("tgi,ngi->tng", q, wv) * step[:, None, :] * dw[None]
+    ref = terms.sum(2)
+    # float32 rounding of each lane's partial sums: relative to sum |q w| (not |sum q w|) per block
+    mags = np.einsum("tgi,ngi->tng", np.abs(q), np.abs(wv)) * step[:, None, :] * np.abs(dw)[None]
+    bound = 1e-6 * mags.sum(2) + 1e-30
+    outs = []
+    for vnni in (True, False):
+        out = np.empty((11, n), np.float32)
+        i4s_mvn_w4a8(packed, d16.view(np.uint16), xq, xc, xd, rows_per_task, vnni, out)
+        assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
+        for t in (0, 4, 10):
+            one = np.empty((1, n), np.float32)
+            i4s_mvn_w4a8(packed, d16.view(np.uint16), xq[t:t + 1], xc[t:t + 1], xd[t:t + 1], 1, vnni, one)
+            np.testing.assert_array_equal(one[0], out[t])
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    # and against the float64 product of the unrounded x: within the activation rounding
+    wd = _values(packed) * np.repeat(dw, 32, 1)
+    exact = x.astype(np.float64) @ wd.T
+    act = np.repeat(step / 2, 32, 1) @ np.abs(wd).T
+    assert np.all(np.abs(outs[0] - exact) <= act * 1.0001 + bound)
