@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 
 from . import common
 from .common import TOKEN_TILE
-from .simd import _EXACT, _I8, _I16, _I32, _I64, _F32, _fma, _hsum, _literal, _first_args, _load_vec, _open_loop, \
+from .simd import _EXACT, _I8, _I16, _I32, _I64, _F32, _fma, _literal, _first_args, _load_vec, _open_loop, \
     _pmadd, _splat, _vec, _vpdpbusd
 
 __all__ = ["i4s_fit", "i4s_pack", "round_i8_pairs", "int4s_rows_dot", "i4s_mvn_w4a8", "activation_pairs"]
@@ -158,6 +158,19 @@ def _dot_u8s8(builder, vnni: bool):
     return lambda acc, a, b: builder.add(acc, builder.call(madd, [builder.call(mubs, [a, b]), ones]))
 
 
+PREFETCH = 4096  # bytes ahead the decode kernel prefetches weights (E2B rows at 2 threads: 34 -> 48 GB/s)
+UNROLL = 2  # pairs of blocks per loop iteration, each FMA'd into its own accumulators (a power of 2)
+
+
+def _hsum_tree(builder, v):
+    """Sum of the eight lanes of a float vector in a fixed tree (3 dependent adds, not 7)."""
+    for width in (4, 2, 1):
+        hi = builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, width), list(range(width, 2 * width))))
+        lo = builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, width), list(range(width))))
+        v = builder.fadd(lo, hi, flags=_EXACT)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
 def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
     """IR of `int4s_rows_dot` for a tile of ``nrows`` weight rows x ``ntok`` activation rows.
 
@@ -184,6 +197,8 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
         c_len = cgutils.unpack_tuple(builder, xca.shape)[1]
         out_len = cgutils.unpack_tuple(builder, oa.shape)[1]
         dot = _dot_u8s8(builder, vnni)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
         rows = [builder.add(r0, c64(i)) for i in range(nrows)]
         toks = [builder.add(t0, c64(j)) for j in range(ntok)]
         wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
@@ -212,33 +227,61 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
                     new[i, j] = _fma(builder, builder.sitofp(acc, f8), sc, facc[i, j])
             return new
 
-        entry, head, body, done = _open_loop(builder, "int4s")
-        p = builder.phi(_I64)
-        p.add_incoming(c64(0), entry)
-        facc = {}
-        for i in range(nrows):
-            for j in range(ntok):
-                facc[i, j] = builder.phi(f8)
-                facc[i, j].add_incoming(ir.Constant(f8, [0.0] * 8), entry)
-        builder.cbranch(builder.icmp_signed("<", p, npair), body, done)
-
-        builder.position_at_end(body)
         half2 = ir.VectorType(ir.HalfType(), 2)
-        ws = [_load_vec(builder, w, builder.mul(p, c64(32)), _vec(_I8, 32)) for w in wrow]
-        ss = []
-        for s in srow:
-            two = builder.load(builder.bitcast(builder.gep(s, [builder.mul(p, c64(2))], inbounds=True),
-                                               half2.as_pointer()), align=2)
-            two = builder.fpext(two, _vec(_F32, 2))
-            ss.append(builder.shuffle_vector(two, two, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])))
-        new = step(p, ws, ss, facc)
-        for key, v in new.items():
-            facc[key].add_incoming(v, builder.block)
-        p.add_incoming(builder.add(p, c64(1)), builder.block)
-        builder.branch(head)
+
+        def pair(p, facc):
+            """A full pair of blocks at ``p`` into ``facc``."""
+            ws = [_load_vec(builder, w, builder.mul(p, c64(32)), _vec(_I8, 32)) for w in wrow]
+            ss = []
+            for s in srow:
+                two = builder.load(builder.bitcast(builder.gep(s, [builder.mul(p, c64(2))], inbounds=True),
+                                                   half2.as_pointer()), align=2)
+                two = builder.fpext(two, _vec(_F32, 2))
+                ss.append(builder.shuffle_vector(two, two, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])))
+            return step(p, ws, ss, facc)
+
+        def loop(name, start, stop, stride, accs, body_fn):
+            """``for p in range(start, stop, stride): accs = body_fn(p, accs)``; the final accs."""
+            entry, head, body, done = _open_loop(builder, name)
+            p = builder.phi(_I64)
+            p.add_incoming(start, entry)
+            phis = {}
+            for key, v in accs.items():
+                phis[key] = builder.phi(f8)
+                phis[key].add_incoming(v, entry)
+            builder.cbranch(builder.icmp_signed("<", p, stop), body, done)
+            builder.position_at_end(body)
+            new = body_fn(p, phis)
+            for key, v in new.items():
+                phis[key].add_incoming(v, builder.block)
+            p.add_incoming(builder.add(p, c64(stride)), builder.block)
+            builder.branch(head)
+            builder.position_at_end(done)
+            return p, phis
+
+        # UNROLL pairs per iteration, each into its own accumulators (the FMA chains then overlap),
+        # the remaining pairs and a last odd block into the first ones: a fixed order for every tile
+        zero = ir.Constant(f8, [0.0] * 8)
+        accs = {(i, j, u): zero for i in range(nrows) for j in range(ntok) for u in range(UNROLL)}
+
+        def unrolled(p, accs):
+            if PREFETCH:  # the weights PREFETCH bytes ahead (on into the next rows): one line per iteration
+                for w in wrow:
+                    ptr = builder.gep(w, [builder.add(builder.mul(p, c64(32)), c64(PREFETCH))])
+                    builder.call(prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            out = dict(accs)
+            for u in range(UNROLL):
+                sub = {(i, j): accs[i, j, u] for i in range(nrows) for j in range(ntok)}
+                for (i, j), v in pair(builder.add(p, c64(u)), sub).items():
+                    out[i, j, u] = v
+            return out
+
+        p_end, accs = loop("int4s.main", c64(0), builder.and_(npair, c64(-UNROLL)), UNROLL, accs, unrolled)
+        first = {(i, j): accs[i, j, 0] for i in range(nrows) for j in range(ntok)}
+        _, first = loop("int4s.rest", p_end, npair, 1, first, pair)
 
         # a last odd block: its 16 bytes with zeros above (its activations' upper half is zero too)
-        builder.position_at_end(done)
+        done = builder.block
         tail = builder.function.append_basic_block("int4s.tail")
         end = builder.function.append_basic_block("int4s.end")
         odd = builder.icmp_unsigned("!=", builder.and_(ng, c64(1)), c64(0))
@@ -250,18 +293,21 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
         ss = [_splat(builder, builder.fpext(builder.load(builder.bitcast(
             builder.gep(s, [builder.mul(npair, c64(2))], inbounds=True), ir.HalfType().as_pointer()), align=2),
             _F32), 8) for s in srow]
-        tail_acc = step(npair, ws, ss, facc)
+        tail_acc = step(npair, ws, ss, first)
         tail_end = builder.block
         builder.branch(end)
         builder.position_at_end(end)
         res = {}
-        for key, acc in facc.items():
+        for key, acc in first.items():
             res[key] = builder.phi(f8)
             res[key].add_incoming(acc, done)
             res[key].add_incoming(tail_acc[key], tail_end)
         for (i, j), v in res.items():
+            parts = [v] + [accs[i, j, u] for u in range(1, UNROLL)]
+            while len(parts) > 1:
+                parts = [builder.fadd(a, b, flags=_EXACT) for a, b in zip(parts[0::2], parts[1::2])]
             at = builder.add(builder.mul(toks[j], out_len), rows[i])
-            builder.store(_hsum(builder, v), builder.gep(oa.data, [at], inbounds=True))
+            builder.store(_hsum_tree(builder, parts[0]), builder.gep(oa.data, [at], inbounds=True))
         return context.get_dummy_value()
 
     return codegen
@@ -282,65 +328,85 @@ def int4s_rows_dot(typingctx, packed, scales, xq, xc, xd, r0, t0, out, nrows, nt
     return types.void(packed, scales, xq, xc, xd, r0, t0, out, nrows, ntok, vnni), _first_args(inner, 8)
 
 
+ROW_BLOCK = 32  # weight rows per parallel task of the decode kernel
+
+
 @njit(inline="always", **_FAST)
-def _tile(packed, scales, xq, xc, xd, r, t0, nt, out, four, vnni):
-    """`int4s_rows_dot` on rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1``
-    (``nt`` 1..4), with literal tile sizes."""
+def _rows(packed, scales, xq, xc, xd, lo, hi, t0, nt, out, four, vnni):
+    """`int4s_rows_dot` on rows ``lo .. hi - 1`` (in tiles of 4 rows with ``four``: ``hi - lo`` a
+    multiple of 4) and tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), the tile sizes as literals, each case a
+    tight loop of its own."""
     if vnni:
         if four:
             if nt == 4:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 1)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 1)
             elif nt == 3:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 1)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 1)
             elif nt == 2:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 1)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 1)
             else:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 1)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 1)
         else:
             if nt == 4:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 1)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 1)
             elif nt == 3:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 1)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 1)
             elif nt == 2:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 1)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 1)
             else:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 1)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 1)
     else:
         if four:
             if nt == 4:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 0)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 0)
             elif nt == 3:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 0)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 0)
             elif nt == 2:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 0)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 0)
             else:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 0)
+                for r in range(lo, hi, 4):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 0)
         else:
             if nt == 4:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 0)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 0)
             elif nt == 3:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 0)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 0)
             elif nt == 2:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 0)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 0)
             else:
-                int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 0)
+                for r in range(lo, hi):
+                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 0)
 
 
 @njit(parallel=True, **_FAST)
 def i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out):
     """Rows of x (``xq``/``xc``/``xd`` from `round_i8_pairs`, ``out [T, n]``): a decode step, a
-    prompt-lookup step, a batch of sequences. Tiles of ``rows_per_task`` (1 or 4) weight rows x up
-    to TOKEN_TILE activation rows: each weight row read from memory once for all T rows; every
-    row's result bit for bit its T=1 result. ``vnni``: 8-bit dot products (where the CPU has them)."""
+    prompt-lookup step, a batch of sequences. Tasks of ROW_BLOCK weight rows, in tiles of
+    ``rows_per_task`` (1 or 4) rows x up to TOKEN_TILE activation rows: each weight row read from
+    memory once for all T rows; every row's result bit for bit its T=1 result. ``vnni``: 8-bit dot
+    products (where the CPU has them)."""
     n = packed.shape[0]
     t_all = xq.shape[0]
-    for b in prange((n + rows_per_task - 1) // rows_per_task):
-        r = b * rows_per_task
-        r1 = min(n, r + rows_per_task)
+    for b in prange((n + ROW_BLOCK - 1) // ROW_BLOCK):
+        r0 = b * ROW_BLOCK
+        r1 = min(n, r0 + ROW_BLOCK)
+        r4 = r0 + (r1 - r0) // 4 * 4 if rows_per_task == 4 else r0
         for t0 in range(0, t_all, TOKEN_TILE):
             nt = min(TOKEN_TILE, t_all - t0)
-            if rows_per_task == 4 and r + 4 == r1:
-                _tile(packed, scales, xq, xc, xd, r, t0, nt, out, True, vnni)
-            else:
-                for i in range(r, r1):
-                    _tile(packed, scales, xq, xc, xd, i, t0, nt, out, False, vnni)
+            if r4 > r0:
+                _rows(packed, scales, xq, xc, xd, r0, r4, t0, nt, out, True, vnni)
+            _rows(packed, scales, xq, xc, xd, r4, r1, t0, nt, out, False, vnni)
