@@ -102,9 +102,9 @@ def round_i8_pairs(x, xq, xc, xd):
     127``, round to nearest; error <= step / 2), laid out for `int4s_rows_dot`: blocks in pairs
     ``p`` (blocks 2p, 2p+1; a last odd block pairs with zeros), ``xq [T, 64 P]`` holding
     ``[2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]`` (what a 32-byte load of packed
-    nibbles meets, low nibbles then high); ``xd [T, 8 P]`` the step of block 2p in lanes 0-3 and
-    of 2p+1 in lanes 4-7; ``xc [T, 8 P]`` int32: -8 times the block's sum of int8 values in lane 0
-    / 4, else 0. The arrays come zeroed. Each row is rounded on its own."""
+    nibbles meets, low nibbles then high); ``xd [T, 2 P]`` float32 the step of each block; ``xc [T, 2 P]``
+    int32 -2 times the block's sum of int8 values (the kernel spreads it over the four int32 lanes of
+    the block: -8 sum in all; compact, so that a long row's activations stay in L1)    / 4, else 0. The arrays come zeroed. Each row is rounded on its own."""
     t, k = x.shape
     for i in range(t):
         for g in range(k // 32):
@@ -120,9 +120,8 @@ def round_i8_pairs(x, xq, xc, xd):
                 q = np.int32(np.rint(x[i, g * 32 + j] * inv))
                 s += q
                 xq[i, p * 64 + h * 16 + (j & 15) + (j >> 4) * 32] = q
-            xc[i, p * 8 + h * 4] = -8 * s
-            for j in range(4):
-                xd[i, p * 8 + h * 4 + j] = d
+            xc[i, g] = -2 * s
+            xd[i, g] = d
 
 
 def activation_pairs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -130,8 +129,8 @@ def activation_pairs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     t, k = x.shape
     npair = (k // 32 + 1) // 2
     xq = np.zeros((t, 64 * npair), dtype=np.int8)
-    xc = np.zeros((t, 8 * npair), dtype=np.int32)
-    xd = np.zeros((t, 8 * npair), dtype=np.float32)
+    xc = np.zeros((t, 2 * npair), dtype=np.int32)
+    xd = np.zeros((t, 2 * npair), dtype=np.float32)
     round_i8_pairs(x, xq, xc, xd)
     return xq, xc, xd
 
@@ -214,13 +213,16 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
             nib = [(builder.and_(w, ir.Constant(_vec(_I8, 32), [15] * 32)),
                     builder.lshr(w, ir.Constant(_vec(_I8, 32), [4] * 32))) for w in ws]
             xo = builder.mul(p, c64(64))
-            co = builder.mul(p, c64(8))
+            co = builder.mul(p, c64(2))
+            halves = ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
             new = {}
             for j in range(ntok):
                 x0 = _load_vec(builder, xrow[j], xo, _vec(_I8, 32))
                 x1 = _load_vec(builder, xrow[j], builder.add(xo, c64(32)), _vec(_I8, 32))
-                c = _load_vec(builder, crow[j], co, _vec(_I32, 8))
-                xd = _load_vec(builder, drow[j], co, f8)
+                c = _load_vec(builder, crow[j], co, _vec(_I32, 2))
+                c = builder.shuffle_vector(c, c, halves)
+                xd = _load_vec(builder, drow[j], co, _vec(_F32, 2))
+                xd = builder.shuffle_vector(xd, xd, halves)
                 for i in range(nrows):
                     acc = dot(dot(c, nib[i][0], x0), nib[i][1], x1)
                     sc = builder.fmul(ss[i], xd, flags=_EXACT)

@@ -402,7 +402,8 @@ class Int4Matrix(_Quantized):
         x in int8 per 32 values (W4A8; 8-bit dot products on VNNI, else AVX2's 8-bit multiply-add)."""
         xq, xc, xd = activation_pairs(x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        i4s_mvn_w4a8(self.packed, self._s16, xq, xc, xd, _rows_per_task(x.shape[0], self.shape[1]),
+        # (tiles of 4 weight rows only for many activation rows: long rows stream faster one at a time here)
+        i4s_mvn_w4a8(self.packed, self._s16, xq, xc, xd, 4 if x.shape[0] >= FOUR_ROW_TILES else 1,
                      common.HAVE_VNNI, out)
         return out
 
