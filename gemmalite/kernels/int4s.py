@@ -10,8 +10,8 @@ alone (``xc``). 32 bytes of weights (two blocks) take one load, two mask/shift o
 activation row, two ``vpdpbusd`` (VNNI) or two ``vpmaddubsw`` + ``vpmaddwd`` (AVX2): the same
 exact integers either way, so both paths give the same bits.
 
-The scale is searched per block (least squares over candidate grids, plain squared error),
-where Q4_0 maps the largest magnitude to -8: a lower weight error at Q4_0's size.
+The scale is searched per block (weighted least squares over candidate grids, `i4s_fit`), where
+Q4_0 maps the largest magnitude to -8: a lower error at Q4_0's size.
 """
 from __future__ import annotations
 
@@ -43,9 +43,12 @@ def i4s_fit(w, search, d_out):
     """Scale per block of 32 of ``w`` float32 ``[n, k]`` into ``d_out [n, k // 32]``.
 
     Without ``search``: Q4_0's rule (the value of largest magnitude maps to -8). With it: among
-    the grids that map that value to -(8 + s/10) or to 7 + s/10 (``s`` in -8..8), the
-    least-squares scale of the one with the least squared error (the error at the fitted scale
-    is ``sum v^2 - (sum v l)^2 / sum l^2``, so only the two sums are needed)."""
+    the grids that map that value to -(8 + s/10) or to 7 + s/10 (``s`` in -8..8), the weighted
+    least-squares scale of the one with the least error ``sum v^2 (v - d l)^2`` (at the fitted scale
+    ``sum v^2 v^2 - (sum v^2 v l)^2 / sum v^2 l^2``, so only two sums are needed). Weighting by
+    ``v^2`` (llama.cpp's choice for its searched formats) keeps the large weights close: on real
+    Gemma 3 270M the plain squared error gave a smaller mean logit error than Q4_0 but a worse top-1
+    agreement (0.47 vs 0.56); weighted, 13 % less error and top-1 0.565."""
     n, k = w.shape
     for r in prange(n):
         for g in range(k // 32):
@@ -70,8 +73,9 @@ def i4s_fit(w, search, d_out):
                         sll = np.float32(0.0)
                         for i in range(32):
                             q = min(max(np.rint(iscale * v[i]), np.float32(-8.0)), np.float32(7.0))
-                            svl += v[i] * q
-                            sll += q * q
+                            wt = v[i] * v[i]
+                            svl += wt * v[i] * q
+                            sll += wt * q * q
                         if sll > 0 and svl * svl / sll > best:
                             best = svl * svl / sll
                             best_d = svl / sll

@@ -318,7 +318,7 @@ def test_matmul_all_shares_the_rounding_to_the_bit(t):
         assert np.array_equal(y, m.matmul(x))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-32", "int4-64", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-32", "int4-64", "int4s", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("long_rows", [True, False])
 def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monkeypatch):
     """The few-row kernels widen each weight chunk once for up to four activation rows (and, for
@@ -336,6 +336,8 @@ def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monke
     w = _w(203, 320, seed=11)
     if fmt == "int8":
         m = Int8Matrix.quantize(w)
+    elif fmt == "int4s":
+        m = Int4Matrix.quantize(w, symmetric=True)
     elif fmt.startswith("int4"):
         m = Int4Matrix.quantize(w, group=int(fmt[5:]))
     else:
@@ -347,6 +349,97 @@ def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monke
     alone = np.concatenate([m.matmul(x[i : i + 1]) for i in range(11)])
     ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
     scale = np.abs(x).astype(np.float64) @ np.abs(m.dense()).astype(np.float64).T
-    assert np.all(np.abs(alone - ref) <= 1e-3 * scale + 1e-30)
+    act = _int8_step(x) / 2 @ np.abs(m.dense()).T if fmt == "int4s" else 0  # W4A8: x in int8 per 32
+    assert np.all(np.abs(alone - ref) <= 1e-3 * scale + act + 1e-30)
     for t in (2, 3, 4, 5, 7, 8, 11):
         np.testing.assert_array_equal(m.matmul_each(x[:t]), alone[:t], err_msg=f"T={t}")
+
+
+# ----------------------------------------------------------------------------- symmetric int4
+
+
+def _int8_step(x):
+    """The activation step of the symmetric int4 decode kernel, per value: max|x| / 127 per 32."""
+    t, k = x.shape
+    return np.repeat(np.abs(x.reshape(t, k // 32, 32)).max(2).astype(np.float64) / 127, 32, axis=1)
+
+
+@pytest.mark.parametrize("src", ["f32", "bf16"])
+def test_int4_symmetric_format(src):
+    """4.5 bits per weight: ``scales * (n - 8)``, every weight inside the grid within |scale|/2,
+    the rest clipped to the nearer edge; stored and rebuilt as a converted checkpoint is."""
+    w = _w(64, 256, dist="t")
+    if src == "bf16":
+        w = w.astype(ml_dtypes.bfloat16)
+    m = Int4Matrix.quantize(w, symmetric=True)
+    wf = w.astype(np.float32).astype(np.float64)
+    assert m.symmetric and m.mins is None and m.group == 32 and m.shape == (64, 256)
+    assert m.nbytes == 64 * 128 + 64 * 8 * 2  # 4.5 bits per weight
+    n = np.concatenate([(m.packed & 15).reshape(64, 8, 16), (m.packed >> 4).reshape(64, 8, 16)], 2).reshape(64, 256)
+    d = np.repeat(m.scales.astype(np.float64), 32, axis=1)
+    deq = d * (n.astype(np.float64) - 8)
+    np.testing.assert_array_equal(m.dense(), deq.astype(np.float32))
+    np.testing.assert_array_equal(m.rows([5, 0, -1]), m.dense()[[5, 0, -1]])
+    ad = np.abs(d)
+    lo, hi = np.minimum(-8 * d, 7 * d), np.maximum(-8 * d, 7 * d)  # the grid's edges (d may be negative)
+    inside = (wf >= lo - ad / 2) & (wf <= hi + ad / 2)
+    assert np.all(np.abs(deq - wf)[inside] <= ad[inside] * 0.5001 + 1e-12)
+    np.testing.assert_allclose(deq[~inside], np.clip(wf, lo, hi)[~inside], rtol=1e-6, atol=1e-9)
+    assert np.all(m.dense()[3] == 0)
+    t = m.tensors()
+    assert set(t) == {"packed", "scales"}
+    m2 = from_converted(t, "int4")
+    assert m2.symmetric and np.shares_memory(m2.packed, m.packed)
+    np.testing.assert_array_equal(m2.dense(), m.dense())
+    with pytest.raises(ValueError):
+        Int4Matrix.quantize(w, group=64, symmetric=True)
+    with pytest.raises(ValueError):  # scales of groups of 64: symmetric takes 32 only
+        Int4Matrix(m.packed, m.scales[:, :4].copy(), None)
+
+
+def test_int4_symmetric_beats_q4_0_rounding():
+    """The searched scale has a lower (weighted) weight error than Q4_0's rule (``search=False``) on the same
+    weights; the plain rule is llama.cpp's Q4_0 (the largest magnitude maps to -8) and agrees with
+    the `gguf` package's Q4_0 quantizer."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = _w(128, 256, seed=4)
+    wf = w.astype(np.float64)
+    e = (wf ** 2 * (Int4Matrix.quantize(w, symmetric=True).dense() - wf) ** 2).mean()  # the fit's criterion
+    m0 = Int4Matrix.quantize(w, symmetric=True, search=False)
+    e0 = (wf ** 2 * (m0.dense() - wf) ** 2).mean()
+    assert e < 0.9 * e0
+    q40 = quants.dequantize(quants.quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    close = np.isclose(m0.dense(), q40, rtol=0, atol=1e-7)
+    assert close.mean() > 0.999  # (rounding of exact halves differs: rint against floor(x + 0.5))
+
+
+@pytest.mark.parametrize("path", ["vnni", "avx2", "portable"])
+def test_int4_symmetric_matmul(path, monkeypatch):
+    """Every product path against float64 math on the dequantized weights: decode rows (W4A8: x in
+    int8 per 32, by vpdpbusd or by AVX2's 8-bit multiply-add) within the activation rounding, longer
+    inputs (dequantize + BLAS) and the portable kernels to float32 rounding; the two SIMD paths equal."""
+    if path != "portable" and not common.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(common, "HAVE_AVX2", path != "portable")
+    monkeypatch.setattr(common, "HAVE_VNNI", path == "vnni")
+    for k in (96, 320):  # an odd number of blocks, and an even one
+        m = Int4Matrix.quantize(_w(203, k, seed=2), symmetric=True)
+        d = m.dense().astype(np.float64)
+        rng = np.random.default_rng(1)
+        for t in TS:
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            x[:, :5] *= 30
+            y = m.matmul(x)
+            assert y.shape == (t, 203) and y.dtype == np.float32
+            ref = x.astype(np.float64) @ d.T
+            rounded = path != "portable" and t <= quant.INT4_SHORT_ROWS
+            act = _int8_step(x) / 2 @ np.abs(d).T if rounded else 0
+            bound = 1e-5 * (np.abs(x) @ np.abs(d).T) + act + 1e-30
+            assert np.all(np.abs(y - ref) <= bound), (k, t, float((np.abs(y - ref) / bound).max()))
+            if rounded:
+                monkeypatch.setattr(common, "HAVE_VNNI", path != "vnni")
+                np.testing.assert_array_equal(m.matmul(x), y)
+                monkeypatch.setattr(common, "HAVE_VNNI", path == "vnni")
+            if t <= 11:
+                np.testing.assert_array_equal(m.matmul_each(x), np.concatenate([m.matmul(x[i:i + 1]) for i in range(t)]))

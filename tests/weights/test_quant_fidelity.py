@@ -3,7 +3,7 @@
 A broken kernel (wrong scale, nibble order, row order) gives unrelated logits: top-1
 agreement near 1/vocab and an error as large as the logits themselves. Measured on this
 checkpoint: int8 agrees on ~98% of positions with a mean error ~2.2% of the logit spread,
-int4 on ~84% with ~22%; the bounds leave room for float noise, not for a bug.
+int4 (symmetric, 4.5 bits) on ~84% with ~22%; the bounds leave room for float noise, not for a bug.
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def test_quantized_logits_stay_close(gl, checkpoint, quant):
     assert top1 >= min_top1 and err <= max_err, f"{quant}: top-1 agreement {top1:.3f}, mean |Δ|/std {err:.4f}"
     assert type(model.engine.graph.layers[0].gate).__name__ == ("Int8Matrix" if quant == "int8" else "Int4Matrix")
     assert type(model.engine.lm_head).__name__ == ("Int8Matrix" if quant == "int8" else "Int4Matrix")
+    if quant == "int4":  # the 4.5-bit symmetric format (W4A8 decode kernel)
+        assert model.engine.lm_head.symmetric and model.engine.graph.layers[0].gate.symmetric
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
