@@ -17,10 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import gemmalite  # first: thread settings before numpy
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
+import gemmalite  # first: thread settings before numpy
 from gemmalite.weights.matrix import Matrix
 from gemmalite.weights.quant import Int4Matrix
 

@@ -23,10 +23,25 @@ from numba.extending import intrinsic
 
 from . import common
 from .common import TOKEN_TILE
-from .simd import _EXACT, _I8, _I16, _I32, _I64, _F32, _fma, _literal, _first_args, _load_vec, _open_loop, \
-    _pmadd, _splat, _vec, _vpdpbusd
+from .simd import (
+    _EXACT,
+    _F32,
+    _I8,
+    _I16,
+    _I32,
+    _I64,
+    _first_args,
+    _fma,
+    _literal,
+    _load_vec,
+    _open_loop,
+    _pmadd,
+    _splat,
+    _vec,
+    _vpdpbusd,
+)
 
-__all__ = ["i4s_fit", "i4s_pack", "round_i8_pairs", "int4s_rows_dot", "i4s_mvn_w4a8", "activation_pairs"]
+__all__ = ["activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mvn_w4a8", "i4s_pack", "int4s_rows_dot", "round_i8_pairs"]
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 _FAST = dict(_JIT, fastmath=True)
@@ -183,7 +198,7 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
     FMA'd, times ``d_w * xd`` (one rounding, the product of the block's two scales), into eight
     float32 lanes, summed at the end. Every (row, token) takes the same float sequence whatever
     the tile, so each output is bit for bit its 1 x 1 result."""
-    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    c64 = lambda v: ir.Constant(_I64, v)
 
     def codegen(context, builder, signature, args):
         pty, sty, qty, cty, dty, _, _, oty = signature.args
@@ -416,3 +431,16 @@ def i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out):
             if r4 > r0:
                 _rows(packed, scales, xq, xc, xd, r0, r4, t0, nt, out, True, vnni)
             _rows(packed, scales, xq, xc, xd, r4, r1, t0, nt, out, False, vnni)
+
+
+@njit(**_FAST)
+def i4s_matvec(packed, scales, x, rows_per_task, vnni, out):
+    """`round_i8_pairs` of ``x [T, k]`` then `i4s_mvn_w4a8`: one call per product (a decode step
+    makes hundreds; each call from Python costs microseconds)."""
+    t, k = x.shape
+    npair = (k // 32 + 1) // 2
+    xq = np.zeros((t, 64 * npair), dtype=np.int8)
+    xc = np.zeros((t, 2 * npair), dtype=np.int32)
+    xd = np.zeros((t, 2 * npair), dtype=np.float32)
+    round_i8_pairs(x, xq, xc, xd)
+    i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out)

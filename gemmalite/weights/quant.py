@@ -16,10 +16,15 @@ safetensors under ``<name>.<key>``):
 ``Int8Matrix``   ``q`` int8 ``[out, in]``, ``scale`` float32 ``[out]``.
                  ``W[r, k] = scale[r] * q[r, k]``, symmetric, ``q`` in ``[-127, 127]``.
 
-``Int4Matrix``   ``packed`` uint8 ``[out, in // 2]``, ``scales`` float16 ``[out, in // group]``,
-                 ``mins`` float16 ``[out, in // group]``.
-                 ``W[r, g*G + i] = scales[r, g] * n + mins[r, g]`` with ``n`` in ``0..15``.
-                 The group size is implied by the shapes: ``G = in // scales.shape[1]``.
+``Int4Matrix``   symmetric (what ``quantize(w, "int4")`` and ``convert --quant int4`` make):
+                 ``packed`` uint8 ``[out, in // 2]``, ``scales`` float16 ``[out, in // 32]``;
+                 ``W[r, 32g + i] = scales[r, g] * (n - 8)``, ``n`` in ``0..15``: 4.5 bits per
+                 weight, Q4_0's size, with a searched scale (`gemmalite.kernels.int4s`).
+                 asymmetric (checkpoints converted before; ``quantize(..., symmetric=False)``):
+                 also ``mins`` float16 ``[out, in // group]``;
+                 ``W[r, g*G + i] = scales[r, g] * n + mins[r, g]``: 5 bits per weight.
+                 The group size is implied by the shapes: ``G = in // scales.shape[1]``; a
+                 converted folder of either kind loads (``mins`` present or not).
 
 Int4 layout: within each group of ``G`` values (``G // 2`` bytes), byte ``j`` holds value ``j``
 in its low nibble and value ``j + G//2`` in its high nibble (the llama.cpp Q4_0/Q4_1 order).
@@ -27,7 +32,7 @@ Unpacking one contiguous run of bytes with ``b & 15`` and ``b >> 4`` thus yields
 *contiguous* runs of values that line up with two contiguous slices of ``x``, so the inner loop
 is plain unit-stride SIMD (load bytes, mask/shift, widen, convert, FMA) with no shuffles.
 
-Int4 is asymmetric (scale + min, "Q4_1"-like) rather than symmetric: on Gaussian, Laplace and
+The asymmetric int4 (scale + min, "Q4_1"-like): on Gaussian, Laplace and
 Student-t weights the fitted asymmetric grid has 12-25 % lower RMS error than a symmetric one
 (with the same scale search), for 2 extra bytes per 32 weights (20 vs 18 bytes, +11 % bytes
 read). The kernel cost is the same inner loop: ``sum_g(d_g * sum(n*x) + m_g * sum_g(x))``,
@@ -35,6 +40,12 @@ where the group sums of ``x`` are computed once per call. The scale and min are 
 group by a weighted least-squares search (llama.cpp ``make_qkx2_quants`` style), which may clip
 a few outliers when that lowers the weighted error; the stored values are then used to
 re-round, so dequantization error is at most ``scale/2`` for every weight inside the grid.
+
+The symmetric int4 trades some of that for speed: its decode kernel rounds x to int8 per 32 values
+(W4A8, as llama.cpp's Q4_0 x Q8_0 products) and takes 8-bit dot products (``vpdpbusd`` on VNNI,
+``vpmaddubsw`` on AVX2: the same integers), about half the instructions per byte of the W4A16 one;
+on real Gemma 3 270M its logit error is 13 % below Q4_0's on the same weights, 37 % above the
+asymmetric format's (``python scripts/int4_error.py gemma3``).
 
 Kernels (numba, in `gemmalite.kernels.quant`): ``matmul`` with ``T <= FEW_ROWS`` runs fused numba kernels (``prange`` over output
 rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles; with
@@ -54,11 +65,29 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import common
-from ..kernels.int4s import activation_pairs, i4s_fit, i4s_mvn_w4a8, i4s_pack
-from ..kernels.quant import (group_sums, i4_dequant_ids, i4_dequant_range, i4_mv1, i4_mv4, i4_mvn_w4a16,
-                             i4_pack, i4_quantize, i8_dequant_ids, i8_dequant_range, i8_mm_w8a16, i8_mv1,
-                             i8_block_corr, i8_mm_w8a8, i8_mv1_rows4, i8_mv4, i8_mvn_w8a16, i8_quantize,
-                             round_int16_rows, round_u8_rows)
+from ..kernels.int4s import i4s_fit, i4s_matvec, i4s_pack
+from ..kernels.quant import (
+    group_sums,
+    i4_dequant_ids,
+    i4_dequant_range,
+    i4_mv1,
+    i4_mv4,
+    i4_mvn_w4a16,
+    i4_pack,
+    i4_quantize,
+    i8_block_corr,
+    i8_dequant_ids,
+    i8_dequant_range,
+    i8_mm_w8a8,
+    i8_mm_w8a16,
+    i8_mv1,
+    i8_mv1_rows4,
+    i8_mv4,
+    i8_mvn_w8a16,
+    i8_quantize,
+    round_int16_rows,
+    round_u8_rows,
+)
 from ..kernels.simd import TILE_BLOCK, U8_BLOCK, int16_activation_rows
 from .matrix import Matrix, Prepared
 
@@ -400,11 +429,9 @@ class Int4Matrix(_Quantized):
     def _rows_w4a8(self, x: np.ndarray) -> np.ndarray:
         """Rows of ``x``, each computed as alone, weights read once: the symmetric decode kernel,
         x in int8 per 32 values (W4A8; 8-bit dot products on VNNI, else AVX2's 8-bit multiply-add)."""
-        xq, xc, xd = activation_pairs(x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         # (tiles of 4 weight rows only for many activation rows: long rows stream faster one at a time here)
-        i4s_mvn_w4a8(self.packed, self._s16, xq, xc, xd, 4 if x.shape[0] >= FOUR_ROW_TILES else 1,
-                     common.HAVE_VNNI, out)
+        i4s_matvec(self.packed, self._s16, x, 4 if x.shape[0] >= FOUR_ROW_TILES else 1, common.HAVE_VNNI, out)
         return out
 
     def _rows_w4a16(self, x: np.ndarray) -> np.ndarray:
