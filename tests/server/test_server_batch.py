@@ -108,7 +108,8 @@ def test_matmul_each_equals_one_row_products(cols):
     w = rng.standard_normal((37, cols)).astype(np.float32)
     x = rng.standard_normal((9, cols)).astype(np.float32)
     mats = [F32Matrix(w), HalfMatrix(w.astype(BF16)), HalfMatrix(w.astype(np.float16)), Int8Matrix.quantize(w),
-            Int4Matrix.quantize(w, 32, search=False), Int4Matrix.quantize(w, 64, search=False)]
+            Int4Matrix.quantize(w, 32, search=False), Int4Matrix.quantize(w, 64, search=False),
+            Int4Matrix.quantize(w, symmetric=True)]
     if cols == 256:  # the multi-row W8A16 kernel (Q8_0), and a fused-kernel type in chunks (Q4_K)
         mats += [_ggml(name, w) for name in ("Q8_0", "Q4_K")]
     for m in mats:
