@@ -147,7 +147,14 @@ def bf16_dot_tile(typingctx, w, xb, r0, t0, out, ncols, nrows, ntok):
 ROWS = 4  # weight rows per task: a strip against every token of a block
 F32_TOKENS = 3  # tokens per float32 tile (4 x 3 x 2 accumulators: 24 of the 32 vector registers)
 DP_TOKENS = 6  # tokens per vdpbf16ps tile (4 x 6 accumulators)
-TOKEN_BLOCK = 126  # tokens per pass over the weights (a multiple of both): their activations stay in L2
+TOKEN_BLOCK = 144  # at most this many tokens per pass over the weights (their activations stay in L2)
+
+
+@njit(inline="always")
+def _block(t_all):  # pragma: no cover - compiled
+    """Tokens per block: as even as TOKEN_BLOCK allows (128 tokens: one pass, not 126 + 2)."""
+    nb = (t_all + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+    return (t_all + nb - 1) // max(nb, 1)
 
 
 @njit(boundscheck=False)
@@ -204,8 +211,9 @@ def half_matmul(x, w, bf16, out):  # pragma: no cover - compiled
     R, C = w.shape
     T = x.shape[0]
     main = C - C % CHUNK
-    for tb in range(0, T, TOKEN_BLOCK):
-        te = min(T, tb + TOKEN_BLOCK)
+    step = _block(T)
+    for tb in range(0, T, step):
+        te = min(T, tb + step)
         for b in prange((R + ROWS - 1) // ROWS):
             r = b * ROWS
             four = r + ROWS <= R
@@ -250,8 +258,9 @@ def bf16_matmul(xb, w, out):  # pragma: no cover - compiled
     R, C = w.shape
     T = xb.shape[0]
     main = C - C % CHUNK
-    for tb in range(0, T, TOKEN_BLOCK):
-        te = min(T, tb + TOKEN_BLOCK)
+    step = _block(T)
+    for tb in range(0, T, step):
+        te = min(T, tb + step)
         for b in prange((R + ROWS - 1) // ROWS):
             r = b * ROWS
             four = r + ROWS <= R

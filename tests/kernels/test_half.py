@@ -22,7 +22,7 @@ def _case(rows, cols, t, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("cols", [64, 72, 1040])  # whole chunks; a tail of 8; 32 chunks + 16
-@pytest.mark.parametrize("t", [1, 4, 7, half.TOKEN_BLOCK + 5])
+@pytest.mark.parametrize("t", [1, 4, 7, half.TOKEN_BLOCK + 5, 2 * half.TOKEN_BLOCK + 1])
 def test_float32_tiles_equal_float64(dtype, cols, t, monkeypatch):
     """Ragged strips (333 rows), ragged token tiles and blocks, column tails."""
     w, x = _case(333, cols, t, dtype, seed=cols + t)
