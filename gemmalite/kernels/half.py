@@ -157,6 +157,17 @@ def _block(t_all):  # pragma: no cover - compiled
     return (t_all + nb - 1) // max(nb, 1)
 
 
+@njit(inline="always")
+def _tile_len(left, full):  # pragma: no cover - compiled
+    """Tokens of the next tile: ``full`` ones, but the last two tiles share what is left evenly
+    (8 tokens of 6-token tiles: 4 + 4, not 6 + 2)."""
+    if left <= full:
+        return left
+    if left % full == 0 or left > 2 * full:
+        return full
+    return (left + 1) // 2
+
+
 @njit(boundscheck=False)
 def _tail(x, w, t, r, c0, bf16):  # pragma: no cover - compiled
     """``sum_{c >= c0} x[t, c] * w[r, c]`` (the columns past the last CHUNK): no fastmath, so the
@@ -217,13 +228,15 @@ def half_matmul(x, w, bf16, out):  # pragma: no cover - compiled
         for b in prange((R + ROWS - 1) // ROWS):
             r = b * ROWS
             four = r + ROWS <= R
-            for t0 in range(tb, te, F32_TOKENS):
-                nt = min(F32_TOKENS, te - t0)
+            t0 = tb
+            while t0 < te:
+                nt = _tile_len(te - t0, F32_TOKENS)
                 if four:
                     _f32_tile(w, x, r, t0, nt, out, main, bf16, True)
                 else:
                     for i in range(r, R):
                         _f32_tile(w, x, i, t0, nt, out, main, bf16, False)
+                t0 += nt
             if main < C:
                 for t in range(tb, te):
                     for i in range(r, min(R, r + ROWS)):
@@ -264,13 +277,15 @@ def bf16_matmul(xb, w, out):  # pragma: no cover - compiled
         for b in prange((R + ROWS - 1) // ROWS):
             r = b * ROWS
             four = r + ROWS <= R
-            for t0 in range(tb, te, DP_TOKENS):
-                nt = min(DP_TOKENS, te - t0)
+            t0 = tb
+            while t0 < te:
+                nt = _tile_len(te - t0, DP_TOKENS)
                 if four:
                     _dp_tile(w, xb, r, t0, nt, out, main, True)
                 else:
                     for i in range(r, R):
                         _dp_tile(w, xb, i, t0, nt, out, main, False)
+                t0 += nt
             if main < C:
                 for t in range(tb, te):
                     for i in range(r, min(R, r + ROWS)):
