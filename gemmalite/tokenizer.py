@@ -502,7 +502,7 @@ def cached_bpe(path: Path) -> CachedBPE | None:
             return None  # known not to fit
         with np.load(npz) as z:
             return CachedBPE({k: z[k] for k in z.files}, meta, str(path))
-    except (OSError, ValueError, KeyError):
+    except Exception:  # noqa: BLE001 - absent, partial or from another version: rebuild
         pass
     conf = _json_object(path)
     meta = _bpe_layout(conf)
@@ -510,8 +510,11 @@ def cached_bpe(path: Path) -> CachedBPE | None:
     if meta is not None:
         try:
             arrays = _bpe_arrays(conf["model"])
+            vocab = conf["model"]["vocab"]
+            if any(vocab.get(t) != i for t, i, _ in meta["added"]):  # added tokens outside the vocabulary
+                arrays = meta = None
         except (ValueError, KeyError, TypeError):
-            meta = None
+            arrays = meta = None
     try:  # atomically (tmp + rename); a read-only cache folder only costs speed
         base.mkdir(parents=True, exist_ok=True)
         if arrays is not None:
