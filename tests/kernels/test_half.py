@@ -85,3 +85,35 @@ def test_round_bf16_is_round_to_nearest_even():
     nan = np.array([[np.nan, -np.nan]], np.float32)
     half.round_bf16(nan.view(np.uint32), out[:, :2])
     assert np.isnan(out[:, :2].view(BF16).astype(np.float32)).all()
+
+
+_HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,"
+            "+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt")
+
+
+def test_float32_tiles_compile_and_agree_for_an_avx2_cpu(tmp_path):
+    """The portable path as a CPU without AVX-512 gets it: the tiles compiled for Haswell (AVX2,
+    FMA, F16C; no zmm register in the code) give float64's results."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+from gemmalite.kernels.half import half_matmul
+from gemmalite.weights.matrix import BF16, HalfMatrix
+rng = np.random.default_rng(0)
+for dt in (BF16, np.float16):
+    w = rng.standard_normal((37, 1040)).astype(np.float32).astype(dt)
+    for t in (1, 3, 9):
+        x = rng.standard_normal((t, 1040)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        np.testing.assert_allclose(HalfMatrix(w).matmul(x), ref, rtol=1e-5, atol=1e-4)
+asm = "".join(half_matmul.inspect_asm().values())
+assert "vfmadd" in asm and "zmm" not in asm
+print("ok")
+"""
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": _HASWELL, "NUMBA_CACHE_DIR": str(tmp_path),
+           "GEMMALITE_BF16_DOT": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
