@@ -145,6 +145,10 @@ def bf16_dot_tile(typingctx, w, xb, r0, t0, out, ncols, nrows, ntok):
 # ---------------------------------------------------------------------------- kernels
 
 ROWS = 4  # weight rows per task: a strip against every token of a block
+# Decode rows (T <= FEW_ROWS) of weight rows this short go one row per task: measured on E2B's
+# matrices (A/B in one process) 29-38 GB/s against 22-24 for 4-row strips on rows of 1536-2048
+# values; 4-row strips win on rows of 6144-12288 (28-30 against 22-24).
+ONE_ROW_COLS = 4096
 F32_TOKENS = 3  # tokens per float32 tile (4 x 3 x 2 accumulators: 24 of the 32 vector registers)
 DP_TOKENS = 6  # tokens per vdpbf16ps tile (4 x 6 accumulators)
 TOKEN_BLOCK = 144  # at most this many tokens per pass over the weights (their activations stay in L2)
@@ -212,10 +216,10 @@ def _f32_tile(w, x, r, t0, nt, out, ncols, bf16, four):  # pragma: no cover - co
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def half_matmul(x, w, bf16, out):  # pragma: no cover - compiled
+def half_matmul(x, w, bf16, rows, out):  # pragma: no cover - compiled
     """``out = x @ float32(w).T`` for float32 ``x [T, C]`` and half bits ``w [R, C]`` (bfloat16 if
     ``bf16``, else float16): every token count, decode to prefill. Tiles of 4 rows x 3 tokens,
-    a task per 4-row strip (its weights stay in L1 while the tokens pass), tokens by blocks of
+    a task per 4-row strip (``rows`` 4; 1: a task per row, see ONE_ROW_COLS) (its weights stay in L1 while the tokens pass), tokens by blocks of
     TOKEN_BLOCK (their activations stay in L2; the weights are read once per block). Each
     (row, token) takes the same operations whatever the tile: a row's result is bit for bit
     its one-row product."""
@@ -225,21 +229,21 @@ def half_matmul(x, w, bf16, out):  # pragma: no cover - compiled
     step = _block(T)
     for tb in range(0, T, step):
         te = min(T, tb + step)
-        for b in prange((R + ROWS - 1) // ROWS):
-            r = b * ROWS
-            four = r + ROWS <= R
+        for b in prange((R + rows - 1) // rows):
+            r = b * rows
+            four = rows == ROWS and r + ROWS <= R
             t0 = tb
             while t0 < te:
                 nt = _tile_len(te - t0, F32_TOKENS)
                 if four:
                     _f32_tile(w, x, r, t0, nt, out, main, bf16, True)
                 else:
-                    for i in range(r, R):
+                    for i in range(r, min(R, r + rows)):
                         _f32_tile(w, x, i, t0, nt, out, main, bf16, False)
                 t0 += nt
             if main < C:
                 for t in range(tb, te):
-                    for i in range(r, min(R, r + ROWS)):
+                    for i in range(r, min(R, r + rows)):
                         out[t, i] += _tail(x, w, t, i, main, bf16)
 
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..kernels import common
-from ..kernels.half import bf16_matmul, half_matmul, round_bf16
+from ..kernels.half import ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
 from ..kernels.numba_ops import f32_matmul_small, matmul_tiles
 
 try:  # bfloat16 is only a storage format here; math is float32
@@ -219,13 +219,16 @@ class HalfMatrix(Matrix):
         if isinstance(p, Prepared) and p.kind == "bf16" and self._dot(x.shape[0]):
             bf16_matmul(p.data, self._bits, out)
         else:
-            half_matmul(x, self._bits, self._bf16, out)
+            half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
         return out
+
+    def _rows_per_task(self, t: int) -> int:
+        return 1 if t <= common.FEW_ROWS and self.shape[1] <= ONE_ROW_COLS else ROWS
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = self._check(x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        half_matmul(x, self._bits, self._bf16, out)
+        half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
         return out
 
     def uses_blas_for(self, rows: int) -> bool:

@@ -35,14 +35,15 @@ def test_float32_tiles_equal_float64(dtype, cols, t, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("dot", [False, True], ids=["float32", "vdpbf16ps"])
-def test_each_row_is_its_own_product_to_the_bit(dtype, dot, monkeypatch):
+@pytest.mark.parametrize("cols", [1040, half.ONE_ROW_COLS + 64])  # decode rows one per task / in 4-row strips
+def test_each_row_is_its_own_product_to_the_bit(dtype, dot, cols, monkeypatch):
     """Any rows of a product, computed among any others, give the same bits: decode rows
     (`matmul_each`) as one-token steps, and with float32 activations also prefill rows (the
     rows of several sequences share one product: `Matrix.independent_rows`)."""
     if dot and not common.HAVE_BF16:
         pytest.skip("the host has no AVX-512 BF16")
     monkeypatch.setattr(common, "BF16_DOT", dot)
-    w, x = _case(37, 1040, 140, dtype, seed=1)
+    w, x = _case(37, cols, 140, dtype, seed=1)
     m = HalfMatrix(w)
     alone = np.concatenate([m.matmul(r[None]) for r in x[:9]])
     np.testing.assert_array_equal(m.matmul_each(x[:9]), alone)
@@ -109,6 +110,9 @@ for dt in (BF16, np.float16):
         x = rng.standard_normal((t, 1040)).astype(np.float32)
         ref = x.astype(np.float64) @ w.astype(np.float64).T
         np.testing.assert_allclose(HalfMatrix(w).matmul(x), ref, rtol=1e-5, atol=1e-4)
+        out = np.empty((t, 37), np.float32)
+        half_matmul(x, w.view(np.uint16), dt == BF16, 4, out)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
 asm = "".join(half_matmul.inspect_asm().values())
 assert "vfmadd" in asm and "zmm" not in asm
 print("ok")
