@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -112,7 +113,7 @@ class Tokenizer:
         """Token ids of the rendered conversation (the template writes <bos> itself: none is added)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 
-    def stream(self) -> "TextStream":
+    def stream(self) -> TextStream:
         return TextStream(self)
 
 
@@ -191,7 +192,7 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
 
         try:
             tk = HFTokenizer.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception on parse errors
             raise TokenizerError(f"{path}: cannot be read ({e})") from None
     conf: dict[str, Any] = {}
     if (folder / "tokenizer_config.json").exists():
@@ -502,7 +503,7 @@ def cached_bpe(path: Path) -> CachedBPE | None:
             return None  # known not to fit
         with np.load(npz) as z:
             return CachedBPE({k: z[k] for k in z.files}, meta, str(path))
-    except Exception:  # noqa: BLE001 - absent, partial or from another version: rebuild
+    except Exception:  # noqa: BLE001, S110 - absent, partial or from another version: rebuild
         pass
     conf = _json_object(path)
     meta = _bpe_layout(conf)

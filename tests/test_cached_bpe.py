@@ -92,7 +92,7 @@ def test_cache_is_written_once_outside_the_package(gemma4, monkeypatch, tmp_path
 def test_other_layouts_load_with_tokenizers(gemma4, tmp_path):
     """A tokenizer.json that CachedBPE does not reproduce (here: another normalizer) is left to
     `tokenizers`, and the loaded Tokenizer still tokenizes."""
-    _, ref, path = gemma4
+    _, _, path = gemma4
     conf = json.loads(path.read_text(encoding="utf-8"))
     conf["normalizer"] = {"type": "Lowercase"}
     (tmp_path / "tokenizer.json").write_text(json.dumps(conf), encoding="utf-8")

@@ -56,7 +56,7 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
     r0, t0, out float32 [T, R], ncols)``; "dp": ``(w, xb uint16 [T, C], r0, t0, out, ncols)``.
     Stores ``out[t0 + j, r0 + i]``."""
     dp = mode == "dp"
-    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    c64 = lambda v: ir.Constant(_I64, v)
 
     def codegen(context, builder, signature, args):
         wty, xty, _, _, oty, _ = signature.args

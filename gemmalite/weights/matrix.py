@@ -81,12 +81,12 @@ class Matrix:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+    def prepare(self, x: np.ndarray) -> np.ndarray | Prepared:
         """``x`` in the form this format's products take, for several matrices of the same input
         width and format (`matmul_all`); formats without a conversion return ``x``."""
         return x
 
-    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+    def matmul_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
         """``matmul`` of an input from `prepare` (of this matrix or a sibling)."""
         return self.matmul(p.x if isinstance(p, Prepared) else p)
 
@@ -205,7 +205,7 @@ class HalfMatrix(Matrix):
     def matmul(self, x: np.ndarray) -> np.ndarray:
         return self.matmul_prepared(self.prepare(x))
 
-    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+    def prepare(self, x: np.ndarray) -> np.ndarray | Prepared:
         x = self._check(x)
         if not self._dot(x.shape[0]):
             return x
@@ -213,7 +213,7 @@ class HalfMatrix(Matrix):
         round_bf16(x.view(np.uint32), xb)
         return Prepared(x, "bf16", xb)
 
-    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+    def matmul_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
         x = p.x if isinstance(p, Prepared) else self._check(p)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         if isinstance(p, Prepared) and p.kind == "bf16" and self._dot(x.shape[0]):

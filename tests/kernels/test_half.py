@@ -119,5 +119,5 @@ print("ok")
 """
     env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": _HASWELL, "NUMBA_CACHE_DIR": str(tmp_path),
            "GEMMALITE_BF16_DOT": "0"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
