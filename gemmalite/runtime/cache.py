@@ -53,6 +53,16 @@ class KVRing:
         self.pos[slots] = positions
         self.length = start + t
 
+    def clone(self) -> "KVRing":
+        """A copy that shares nothing (only the written slots are copied)."""
+        ring = KVRing(self.capacity, self.k.shape[1], self.k.shape[2], self.window)
+        n = self.filled
+        ring.k[:n] = self.k[:n]
+        ring.v[:n] = self.v[:n]
+        ring.pos[:] = self.pos
+        ring.length = self.length
+        return ring
+
     def can_truncate(self, n: int) -> bool:
         """Are the entries that a query at position ``n`` needs still stored?"""
         need_from = 0 if self.window is None else max(0, n - self.window + 1)
@@ -83,6 +93,19 @@ class KVState:
         self.length = n
         del self.tokens[n:]
         return True
+
+    def clone(self, n: int | None = None) -> "KVState | None":
+        """A copy of the first ``n`` tokens (all by default) that shares nothing with this state
+        (several requests that start alike take one prefill), or None where a ring cannot roll
+        back to ``n``."""
+        n = self.length if n is None else n
+        if n > self.length or not all(r.can_truncate(n) for r in self.rings.values()):
+            return None
+        state = KVState({i: r.clone() for i, r in self.rings.items()}, self.context)
+        state.length = self.length
+        state.tokens = list(self.tokens)
+        state.truncate(n)
+        return state
 
     def reset(self) -> None:
         for r in self.rings.values():
