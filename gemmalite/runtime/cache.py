@@ -19,8 +19,10 @@ class KVRing:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, window: int | None):
         self.capacity = capacity
         self.window = window  # the farthest back a query looks (None: the whole context)
-        self.k = np.zeros((capacity, kv_heads, head_dim), np.float32)
-        self.v = np.zeros((capacity, kv_heads, head_dim), np.float32)
+        # not zeroed: a slot is read only once written (`view` covers the written ones), so a new
+        # state costs no page writes (a burst of requests each allocated ~30 MB of zeros)
+        self.k = np.empty((capacity, kv_heads, head_dim), np.float32)
+        self.v = np.empty((capacity, kv_heads, head_dim), np.float32)
         self.pos = np.full(capacity, -1, np.int64)
         self.length = 0  # positions 0..length-1 have been written
 
@@ -59,7 +61,7 @@ class KVRing:
         n = self.filled
         ring.k[:n] = self.k[:n]
         ring.v[:n] = self.v[:n]
-        ring.pos[:] = self.pos
+        ring.pos[:n] = self.pos[:n]
         ring.length = self.length
         return ring
 

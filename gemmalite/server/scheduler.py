@@ -12,7 +12,8 @@ whole) takes that state and runs only its new tokens. Requests that start alike 
 time share too: a new request whose first SHARE_MIN+ tokens match a running sequence's, or
 another new request's, copies that state (`KVState.clone`) after it is computed and runs only
 the rest; the same prompt again takes the other's first logits as well, so a burst of one
-prompt costs one prefill.
+prompt costs one prefill. An idle scheduler woken by a request waits a few milliseconds while
+more arrive (`_gather`), so that clients who start together start in one prefill.
 
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
@@ -34,6 +35,8 @@ from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
 
 
+GATHER_S = 0.005  # an idle scheduler woken by a request waits this long for more, again while more come,
+GATHER_MAX = 0.03  # up to this long: a burst of clients then starts in one prefill, not the first one alone
 SHARE_MIN = 16  # prompt tokens another request must share with a new one to copy its state (a
 # shorter match, such as the chat template's first tokens, is cheaper to recompute in the batch)
 
@@ -77,7 +80,7 @@ class Sequence:
     generated: int = 0
     cached: int = 0
     submitted: float = field(default_factory=time.perf_counter)
-    first_logits: np.ndarray | None = None  # after the prompt, until the first decode step
+    first_logits: np.ndarray | None = None  # after the prompt (a request with the same prompt takes them)
     donor: "Sequence | None" = None  # whose state this one copies (its first ``share`` tokens)
     share: int = 0
 
@@ -188,6 +191,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Take the waiting requests (while there is room) and prefill them together."""
+        if not self.active and not self.waiting.empty():
+            self._gather()
         new: list[Sequence] = []
         while len(self.active) + len(new) < self.max_concurrency:
             try:
@@ -204,6 +209,17 @@ class Scheduler:
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
         if new:
             self._prefill(new)
+
+    def _gather(self) -> None:
+        """Wait GATHER_S at a time while requests keep arriving (up to GATHER_MAX, or until the
+        batch is full): clients that start together arrive a few milliseconds apart."""
+        seen, deadline = self.waiting.qsize(), time.perf_counter() + GATHER_MAX
+        while seen < self.max_concurrency and time.perf_counter() < deadline:
+            time.sleep(GATHER_S)
+            now = self.waiting.qsize()
+            if now == seen:
+                return
+            seen = now
 
     def _start(self, seq: Sequence) -> bool:
         """Give ``seq`` its state (a cached prefix where one matches), sampler and text cutter;
@@ -255,14 +271,15 @@ class Scheduler:
 
     def _copy_prefix(self, seq: Sequence) -> bool:
         """Give ``seq`` a copy of its donor's state (its own stays with the prefix cache). The same
-        prompt with the donor's first logits at hand starts at once (False: nothing left to run);
-        otherwise the copy stops before the last prompt token, which must run. A donor that failed,
+        prompt as the donor's starts at once with the donor's first logits (False: nothing left to
+        run), however far the donor has gone since; otherwise the copy stops before the last
+        prompt token, which must run. A donor that failed,
         or whose state cannot roll back, leaves ``seq`` as it was."""
         donor, n = seq.donor, seq.share
         seq.donor = None
         if donor.state is None:
             return True
-        same = (n == len(seq.ids) == donor.state.length and donor.first_logits is not None)
+        same = n == len(seq.ids) == len(donor.ids) and donor.first_logits is not None
         state = donor.state.clone(n if same else min(n, len(seq.ids) - 1))
         if state is None:
             return True
@@ -329,7 +346,6 @@ class Scheduler:
         self.metrics.inc("gemmalite_decode_step_sequences_total", len(batch))
         self.metrics.inc("gemmalite_decode_seconds_total", time.perf_counter() - t0)
         for seq, row in zip(batch, logits):
-            seq.first_logits = None
             self._accept(seq, row)
 
     def _accept(self, seq: Sequence, logits: np.ndarray) -> None:

@@ -139,8 +139,8 @@ def test_requests_waiting_together_are_prefilled_together():
 
 def test_a_request_shares_a_running_sequences_prompt():
     """A request whose prompt starts with a running sequence's tokens copies that state and runs
-    only its own tail (the rest of the running one's prompt must not be recomputed); the same
-    prompt as a sequence that has not stepped yet takes its first logits and runs nothing."""
+    only its own tail (the running one's prompt is not recomputed); the same prompt as a running
+    or just prefilled sequence takes that one's first logits and runs nothing."""
     from gemmalite.server.scheduler import SHARE_MIN
 
     eng = CountingEngine(step_s=0.02)
@@ -154,6 +154,11 @@ def test_a_request_shares_a_running_sequences_prompt():
         text_b, fin_b = _drain(b)
         assert (text_b, fin_b.cached_tokens) == (_text(92, 93), len(base))
         assert eng.prefilled == len(base) + 2
+        c = queue.Queue()  # the running one's prompt again, after it has taken several steps
+        sch.submit(_seq(base, 2, c))
+        text_c, fin_c = _drain(c)
+        assert (text_c, fin_c.cached_tokens) == (_text(25, 26), len(base))
+        assert eng.prefilled == len(base) + 2 and not _drain(a)[1].reason == "error"
     finally:
         sch.close()
     eng = CountingEngine()
