@@ -7,7 +7,8 @@ prefill time of the same prompt.
     python scripts/bench_server.py --url http://127.0.0.1:8080/v1 [--model NAME]   # already running
 
 Every server named is started (and loaded) first; then each measurement runs on each server in
-turn, the order alternating from one level to the next, so both see the same machine state.
+turn, the order alternating from one level to the next, so both see the same machine state;
+``--rounds R`` runs the levels R times and reports each figure's median.
 A level starts N streaming completions of the same prompt at once (``--distinct``: each opening
 with its own words; max_tokens fixed, end of sequence ignored; no prompt kept from one request
 to the next: llama.cpp's ``cache_prompt`` off, gemmalite ``--prefix-cache 0``; gemmalite still
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="per-sequence context")
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="run every level this many times; medians reported")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--distinct", action="store_true",
                     help="each stream's prompt opens with its own words (no prefill to share between streams)")
@@ -172,11 +174,16 @@ def main(argv=None) -> int:
         for t in ts:  # warm-up: kernel compilation, first-touch of the weights, every batch width
             run_level(t.client, t.model, 1, 4)
             run_level(t.client, t.model, max(levels), 4)
-        for i, n in enumerate(levels):
-            for t in (ts if i % 2 == 0 else ts[::-1]):
-                row = run_level(t.client, t.model, n, a.max_tokens, a.distinct)
-                results[t.name]["rows"].append(row)
-                print(f"[{t.name}] {json.dumps(row)}", file=sys.stderr)
+        runs: dict[str, list[list[dict]]] = {t.name: [[] for _ in levels] for t in ts}
+        for rnd in range(a.rounds):
+            for i, n in enumerate(levels):
+                for t in (ts if (i + rnd) % 2 == 0 else ts[::-1]):
+                    row = run_level(t.client, t.model, n, a.max_tokens, a.distinct)
+                    runs[t.name][i].append(row)
+                    print(f"[{t.name}] round {rnd + 1} {json.dumps(row)}", file=sys.stderr)
+        for name, per_level in runs.items():  # each figure: the median over the rounds
+            results[name]["rows"] = [{k: float(np.median([r[k] for r in rows])) if k != "streams" else rows[0][k]
+                                      for k in rows[0]} for rows in per_level]
         for t in (ts[::-1] if len(levels) % 2 else ts):
             results[t.name]["solo_prefill_s"] = solo_prefill(t.client, t.model)
     finally:
