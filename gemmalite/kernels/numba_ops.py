@@ -318,45 +318,111 @@ def softmax_rows_serial(s, scale):  # pragma: no cover - compiled
         softmax_row(s[r], scale)
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=True):  # pragma: no cover - compiled
-    """Attention without BLAS (decode rows, moderate prefills): one task per (row, query head).
+DECODE_BLOCK = 128  # key slots per task of the decode attention (fixed by slot index: see attention_decode)
 
-    Same math and mask as kernels.attention (scores * scale, finite mask, max-subtracted
-    softmax, weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's
-    worker threads asleep, so they never spin against numba's. A row's result does not depend
-    on the other rows of the call, nor on masked slots (later positions): a step of several
-    tokens gives each row bit for bit what a one-token step gives it (prompt-lookup
-    verification). A query that sees no slot gets zeros (never in the engine: a query sees itself)."""
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True):  # pragma: no cover - compiled
+    """Attention for a few query rows (decode steps) without BLAS, reading K and V once.
+
+    Split over keys (flash-decoding): one task per (KV head, DECODE_BLOCK slots) computes, for
+    every row and every query head of the group, the block's max score, its sum of exponentials
+    and its exp-weighted sum of V rows (each K/V row loaded once for all ``T x g`` queries, dot
+    products and sums vectorised over the head dim); a second pass merges the blocks in slot
+    order. Both threads share every layer's keys however few KV heads there are, a sliding ring
+    costs its own size, and a block that no row may see (every slot empty, later than the rows or
+    out of the window) is never read. Same visibility rule as the other kernels (``window`` 0:
+    none). Blocks are fixed by slot index, and within a block and across blocks the sums run in
+    slot order over the visible slots only, so a row's result depends on neither the other rows
+    of the call nor the masked slots: a step of several tokens gives each row bit for bit what a
+    one-token step gives it (prompt-lookup verification). A query that sees no slot gets zeros."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv
-    for task in prange(T * nq):
+    nb = (N + DECODE_BLOCK - 1) // DECODE_BLOCK
+    part_m = np.empty((kv, nb, T, g), np.float32)
+    part_l = np.zeros((kv, nb, T, g), np.float32)  # 0: the block gave this query nothing
+    part_o = np.empty((kv, nb, T, g, D), np.float32)
+    qlo = q_pos.min()
+    qhi = q_pos.max()
+    for task in prange(kv * nb):
+        kh = task // nb
+        b = task % nb
+        j0 = b * DECODE_BLOCK
+        nk = min(N, j0 + DECODE_BLOCK) - j0
+        lo = np.int64(1) << 62
+        hi = np.int64(-1)
+        for jj in range(nk):
+            p = k_pos[j0 + jj]
+            if p >= 0:
+                lo = min(lo, p)
+                hi = max(hi, p)
+        if hi < 0:
+            continue
+        if causal and (lo > qhi or (window > 0 and hi <= qlo - window)):
+            continue
+        if not causal and window > 0 and (lo > qhi + window or hi < qlo - window):
+            continue
+        s = np.empty((g, DECODE_BLOCK), np.float32)
+        vis = np.empty(DECODE_BLOCK, np.bool_)
+        for t in range(T):
+            qp = q_pos[t]
+            seen = False
+            for jj in range(nk):
+                vis[jj] = visible(k_pos[j0 + jj], qp, window, causal)
+                seen = seen or vis[jj]
+            if not seen:
+                continue
+            for jj in range(nk):  # scores: each K row once for the group's heads
+                if vis[jj]:
+                    kr = k[j0 + jj, kh]
+                    for hg in range(g):
+                        qr = q[t, kh * g + hg]
+                        acc = np.float32(0.0)
+                        for d in range(D):
+                            acc += qr[d] * kr[d]
+                        s[hg, jj] = acc * scale
+            for hg in range(g):
+                best = np.float32(-np.inf)
+                for jj in range(nk):
+                    if vis[jj] and s[hg, jj] > best:
+                        best = s[hg, jj]
+                tot = np.float32(0.0)
+                for jj in range(nk):  # in slot order over the visible slots only
+                    if vis[jj]:
+                        e = np.exp(s[hg, jj] - best)
+                        s[hg, jj] = e
+                        tot += e
+                part_m[kh, b, t, hg] = best
+                part_l[kh, b, t, hg] = tot
+            o = part_o[kh, b, t]
+            o[:, :] = 0
+            for jj in range(nk):  # weighted sum of V: each V row once for the group's heads
+                if vis[jj]:
+                    vr = v[j0 + jj, kh]
+                    for hg in range(g):
+                        e = s[hg, jj]
+                        for d in range(D):
+                            o[hg, d] += e * vr[d]
+    for task in prange(T * nq):  # merge the blocks, in slot order
         t = task // nq
         h = task % nq
         kh = h // g
-        qp = q_pos[t]
-        s = np.empty(N, np.float32)
-        best = masked
-        for j in range(N):
-            kp = k_pos[j]
-            if not visible(kp, qp, window, causal):
-                s[j] = masked
-            else:
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += q[t, h, d] * k[j, kh, d]
-                s[j] = acc * scale
-                best = max(best, s[j])
+        hg = h % g
+        best = np.float32(-np.inf)
+        for b in range(nb):
+            if part_l[kh, b, t, hg] > 0 and part_m[kh, b, t, hg] > best:
+                best = part_m[kh, b, t, hg]
         o = out[t, h * D : (h + 1) * D]
         o[:] = 0
         tot = np.float32(0.0)
-        for j in range(N):  # one pass, in slot order: the sums never depend on how many masked slots follow
-            if s[j] > masked:
-                e = np.exp(s[j] - best)
-                tot += e
+        for b in range(nb):
+            if part_l[kh, b, t, hg] > 0:
+                c = np.exp(part_m[kh, b, t, hg] - best)
+                tot += part_l[kh, b, t, hg] * c
+                pb = part_o[kh, b, t, hg]
                 for d in range(D):
-                    o[d] += e * v[j, kh, d]
+                    o[d] += c * pb[d]
         inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
         for d in range(D):
             o[d] *= inv
