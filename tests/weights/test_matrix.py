@@ -66,3 +66,34 @@ def test_bf16_projections_stay_half(tmp_path, gl):
     mats = [m for w in model.engine.graph.layers for m in w.matrices()]
     assert mats and all(isinstance(m, HalfMatrix) and m.w.dtype == BF16 for m in mats)
     assert all(isinstance(m.w, np.memmap) or isinstance(m.w.base, np.memmap) for m in mats)
+
+
+def _mapping_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, mine = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+            mine = line.rstrip().endswith(str(path))
+        elif mine and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise / smaps are Linux's")
+@pytest.mark.parametrize("cls,dtype", [(HalfMatrix, BF16), (F32Matrix, np.float32)], ids=["half", "f32"])
+def test_rows_of_a_mapped_table_do_not_stay_resident(tmp_path, cls, dtype):
+    """Row lookups from a read-only file mapping (a checkpoint's PLE table) give the rows and
+    leave none of the table's pages mapped into the process (the kernel's fault-around had mapped
+    ~64 KiB around each row); an in-memory table is left as it is."""
+    rows, cols = 4096, 2048
+    w = np.random.default_rng(0).standard_normal((rows, cols)).astype(dtype)
+    path = tmp_path / "table.bin"
+    w.tofile(path)
+    m = cls(np.memmap(path, dtype=dtype, mode="r", shape=(rows, cols)))
+    ids = np.random.default_rng(1).integers(0, rows, 300)
+    np.testing.assert_array_equal(m.rows(ids), w[ids].astype(np.float32))
+    assert _mapping_rss_kib(path) < 64  # without dropping: >= 300 rows x 4-8 KiB
+    plain = cls(w.copy())
+    np.testing.assert_array_equal(plain.rows(ids), w[ids].astype(np.float32))
+    np.testing.assert_array_equal(plain.rows(ids), w[ids].astype(np.float32))  # its memory untouched
