@@ -7,9 +7,12 @@ prefill time of the same prompt.
     python scripts/bench_server.py --url http://127.0.0.1:8080/v1 [--model NAME]   # already running
 
 Every server named is started (and loaded) first; then each measurement runs on each server in
-turn, the order alternating from one level to the next, so both see the same machine state.
-A level starts N streaming completions of the same prompt at once (max_tokens fixed, end of
-sequence ignored, prompt caching off so every request prefills) and reports: aggregate
+turn, the order alternating from one level to the next, so both see the same machine state;
+``--rounds R`` runs the levels R times and reports each figure's median.
+A level starts N streaming completions of the same prompt at once (``--distinct``: each opening
+with its own words; max_tokens fixed, end of sequence ignored; no prompt kept from one request
+to the next: llama.cpp's ``cache_prompt`` off, gemmalite ``--prefix-cache 0``; gemmalite still
+shares one prefill between requests of one burst that start alike) and reports: aggregate
 decode tokens/s (the tokens after each stream's first, over the time from the first stream's
 first token to the last stream's end), p50 / p99 time to first token, and the speed-up over
 one stream. Solo prefill: the median time to first token of one request alone (max_tokens 1).
@@ -56,10 +59,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise SystemExit("server did not become ready")
 
 
-def one_stream(client, model: str, max_tokens: int, t_start: float) -> dict:
+def prompt_for(i: int, distinct: bool) -> str:
+    """The prompt of stream ``i``: all the same, or each opening with its own words (so that no
+    server can share a prefill between streams)."""
+    return f"Story {i + 1}, in your own words. " + PROMPT if distinct else PROMPT
+
+
+def one_stream(client, model: str, max_tokens: int, t_start: float, prompt: str = PROMPT) -> dict:
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, extra_body=NO_CACHE)
     for chunk in stream:
         if chunk.usage is not None:
@@ -74,10 +83,10 @@ def one_stream(client, model: str, max_tokens: int, t_start: float) -> dict:
             "tokens": tokens}
 
 
-def run_level(client, model: str, n: int, max_tokens: int) -> dict:
+def run_level(client, model: str, n: int, max_tokens: int, distinct: bool = False) -> dict:
     t_start = time.perf_counter()
     with ThreadPoolExecutor(n) as ex:
-        res = list(ex.map(lambda _: one_stream(client, model, max_tokens, t_start), range(n)))
+        res = list(ex.map(lambda i: one_stream(client, model, max_tokens, t_start, prompt_for(i, distinct)), range(n)))
     decode_tokens = sum(max(0, r["tokens"] - 1) for r in res)
     span = max(r["end_at"] for r in res) - min(r["first_at"] for r in res)
     ttft = np.array([r["ttft"] for r in res])
@@ -145,7 +154,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="per-sequence context")
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="run every level this many times; medians reported")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--distinct", action="store_true",
+                    help="each stream's prompt opens with its own words (no prefill to share between streams)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if not (a.gemmalite or a.llama_server or a.url):
@@ -162,11 +174,16 @@ def main(argv=None) -> int:
         for t in ts:  # warm-up: kernel compilation, first-touch of the weights, every batch width
             run_level(t.client, t.model, 1, 4)
             run_level(t.client, t.model, max(levels), 4)
-        for i, n in enumerate(levels):
-            for t in (ts if i % 2 == 0 else ts[::-1]):
-                row = run_level(t.client, t.model, n, a.max_tokens)
-                results[t.name]["rows"].append(row)
-                print(f"[{t.name}] {json.dumps(row)}", file=sys.stderr)
+        runs: dict[str, list[list[dict]]] = {t.name: [[] for _ in levels] for t in ts}
+        for rnd in range(a.rounds):
+            for i, n in enumerate(levels):
+                for t in (ts if (i + rnd) % 2 == 0 else ts[::-1]):
+                    row = run_level(t.client, t.model, n, a.max_tokens, a.distinct)
+                    runs[t.name][i].append(row)
+                    print(f"[{t.name}] round {rnd + 1} {json.dumps(row)}", file=sys.stderr)
+        for name, per_level in runs.items():  # each figure: the median over the rounds
+            results[name]["rows"] = [{k: float(np.median([r[k] for r in rows])) if k != "streams" else rows[0][k]
+                                      for k in rows[0]} for rows in per_level]
         for t in (ts[::-1] if len(levels) % 2 else ts):
             results[t.name]["solo_prefill_s"] = solo_prefill(t.client, t.model)
     finally:
@@ -178,7 +195,7 @@ def main(argv=None) -> int:
             row["speedup"] = row["tokens_per_s"] / base
             row["ttft_p99_over_solo_prefill"] = row["ttft_p99_s"] / r["solo_prefill_s"]
     if a.json:
-        print(json.dumps({"prompt": PROMPT, "max_tokens": a.max_tokens, "threads": a.threads, "servers": results},
+        print(json.dumps({"prompt": PROMPT, "distinct": a.distinct, "max_tokens": a.max_tokens, "threads": a.threads, "servers": results},
                          indent=2))
         return 0
     print(f"{'server':<14} {'streams':>7} {'tok/s':>8} {'x1':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'p99/solo':>8}")

@@ -3,6 +3,7 @@ The server's packages (the ``server`` extra) are imported only when the command 
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 from .generate import load_args, load_model
@@ -55,5 +56,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                     embedder_id=_name(a.embedder) if a.embedder else None, api_key=a.api_key,
                     max_concurrency=a.max_concurrency, max_queue=a.max_queue, prefix_cache=a.prefix_cache,
                     limits=Limits(max_tokens=a.max_tokens))
+    # what loading left behind lives as long as the server: out of the cyclic collector's sight, its
+    # full collections no longer walk it (they cost a request ~15-30 ms of its time to first token)
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
     return 0

@@ -7,7 +7,7 @@ import numpy as np
 from numba import njit, prange
 
 from .common import TOKEN_TILE, h2f, nibbles, prefetch
-from .simd import int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
+from .simd import TILE_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 _FAST = dict(_JIT, fastmath=True)
@@ -119,10 +119,30 @@ def i8_mv4(q, scale, x, out):
 
 
 @njit(inline="always", **_FAST)
-def _i8_tile(q, xq, xd, r, t0, nt, out, four):
-    """Rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4): the
-    intrinsic wants literal tile sizes."""
-    if four:
+def _i8_tile(q, xq, xd, r, t0, nt, out, four, blocks):
+    """Rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), with x in
+    int16 per TILE_BLOCK values (``blocks``: `int8_tile_dot`) or per 32 (`int8_rows_dot`): the
+    intrinsics want literal tile sizes."""
+    if blocks:
+        if four:
+            if nt == 4:
+                int8_tile_dot(q, xq, xd, r, t0, out, 4, 4)
+            elif nt == 3:
+                int8_tile_dot(q, xq, xd, r, t0, out, 4, 3)
+            elif nt == 2:
+                int8_tile_dot(q, xq, xd, r, t0, out, 4, 2)
+            else:
+                int8_tile_dot(q, xq, xd, r, t0, out, 4, 1)
+        else:
+            if nt == 4:
+                int8_tile_dot(q, xq, xd, r, t0, out, 1, 4)
+            elif nt == 3:
+                int8_tile_dot(q, xq, xd, r, t0, out, 1, 3)
+            elif nt == 2:
+                int8_tile_dot(q, xq, xd, r, t0, out, 1, 2)
+            else:
+                int8_tile_dot(q, xq, xd, r, t0, out, 1, 1)
+    elif four:
         if nt == 4:
             int8_rows_dot(q, xq, xd, r, t0, out, 4, 4)
         elif nt == 3:
@@ -149,17 +169,18 @@ def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
     multiply-add, in tiles of ``rows_per_task`` (1 or 4) weight rows x up to TOKEN_TILE
     activation rows: each weight is read from memory once for all T rows and widened once per
     tile, each activation loaded once per tile; every row's result is bit for bit its T=1 result."""
-    n = q.shape[0]
+    n, k = q.shape
     t_all = xq.shape[0]
+    blocks = xd.shape[1] * TILE_BLOCK == k
     for b in prange((n + rows_per_task - 1) // rows_per_task):
         r = b * rows_per_task
         for t0 in range(0, t_all, TOKEN_TILE):
             nt = min(TOKEN_TILE, t_all - t0)
             if rows_per_task == 4 and r + 4 <= n:
-                _i8_tile(q, xq, xd, r, t0, nt, out, True)
+                _i8_tile(q, xq, xd, r, t0, nt, out, True, blocks)
             else:
                 for i in range(r, min(n, r + rows_per_task)):
-                    _i8_tile(q, xq, xd, i, t0, nt, out, False)
+                    _i8_tile(q, xq, xd, i, t0, nt, out, False, blocks)
         for t in range(t_all):
             for i in range(r, min(n, r + rows_per_task)):
                 out[t, i] *= scale[i]

@@ -19,8 +19,10 @@ class KVRing:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, window: int | None):
         self.capacity = capacity
         self.window = window  # the farthest back a query looks (None: the whole context)
-        self.k = np.zeros((capacity, kv_heads, head_dim), np.float32)
-        self.v = np.zeros((capacity, kv_heads, head_dim), np.float32)
+        # not zeroed: a slot is read only once written (`view` covers the written ones), so a new
+        # state costs no page writes (a burst of requests each allocated ~30 MB of zeros)
+        self.k = np.empty((capacity, kv_heads, head_dim), np.float32)
+        self.v = np.empty((capacity, kv_heads, head_dim), np.float32)
         self.pos = np.full(capacity, -1, np.int64)
         self.length = 0  # positions 0..length-1 have been written
 
@@ -53,6 +55,16 @@ class KVRing:
         self.pos[slots] = positions
         self.length = start + t
 
+    def clone(self) -> "KVRing":
+        """A copy that shares nothing (only the written slots are copied)."""
+        ring = KVRing(self.capacity, self.k.shape[1], self.k.shape[2], self.window)
+        n = self.filled
+        ring.k[:n] = self.k[:n]
+        ring.v[:n] = self.v[:n]
+        ring.pos[:n] = self.pos[:n]
+        ring.length = self.length
+        return ring
+
     def can_truncate(self, n: int) -> bool:
         """Are the entries that a query at position ``n`` needs still stored?"""
         need_from = 0 if self.window is None else max(0, n - self.window + 1)
@@ -83,6 +95,19 @@ class KVState:
         self.length = n
         del self.tokens[n:]
         return True
+
+    def clone(self, n: int | None = None) -> "KVState | None":
+        """A copy of the first ``n`` tokens (all by default) that shares nothing with this state
+        (several requests that start alike take one prefill), or None where a ring cannot roll
+        back to ``n``."""
+        n = self.length if n is None else n
+        if n > self.length or not all(r.can_truncate(n) for r in self.rings.values()):
+            return None
+        state = KVState({i: r.clone() for i, r in self.rings.items()}, self.context)
+        state.length = self.length
+        state.tokens = list(self.tokens)
+        state.truncate(n)
+        return state
 
     def reset(self) -> None:
         for r in self.rings.values():

@@ -8,7 +8,12 @@ decode step computes the next token of every active sequence
 (`Engine.decode_batch`: each weight is read once for all of them). A sequence whose client
 went away (``cancel()``) is dropped at the next step and its KV state goes back to a small
 prefix cache: a later request that starts with the same tokens (a multi-turn chat resent
-whole) takes that state and runs only its new tokens.
+whole) takes that state and runs only its new tokens. Requests that start alike at the same
+time share too: a new request whose first SHARE_MIN+ tokens match a running sequence's, or
+another new request's, copies that state (`KVState.clone`) after it is computed and runs only
+the rest; the same prompt again takes the other's first logits as well, so a burst of one
+prompt costs one prefill. An idle scheduler woken by a request waits a few milliseconds while
+more arrive (`_gather`), so that clients who start together start in one prefill.
 
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
@@ -28,6 +33,12 @@ from ..runtime.engine import SoftTokens
 from ..runtime.generate import TextCutter, common_prefix
 from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
+
+
+GATHER_S = 0.005  # an idle scheduler woken by a request waits this long for more, again while more come,
+GATHER_MAX = 0.03  # up to this long: a burst of clients then starts in one prefill, not the first one alone
+SHARE_MIN = 16  # prompt tokens another request must share with a new one to copy its state (a
+# shorter match, such as the chat template's first tokens, is cheaper to recompute in the batch)
 
 
 class Overloaded(RuntimeError):
@@ -69,6 +80,9 @@ class Sequence:
     generated: int = 0
     cached: int = 0
     submitted: float = field(default_factory=time.perf_counter)
+    first_logits: np.ndarray | None = None  # after the prompt (a request with the same prompt takes them)
+    donor: "Sequence | None" = None  # whose state this one copies (its first ``share`` tokens)
+    share: int = 0
 
     def cancel(self) -> None:
         """Called from any thread; the scheduler frees the sequence at its next step."""
@@ -177,6 +191,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Take the waiting requests (while there is room) and prefill them together."""
+        if not self.active and not self.waiting.empty():
+            self._gather()
         new: list[Sequence] = []
         while len(self.active) + len(new) < self.max_concurrency:
             try:
@@ -194,6 +210,17 @@ class Scheduler:
         if new:
             self._prefill(new)
 
+    def _gather(self) -> None:
+        """Wait GATHER_S at a time while requests keep arriving (up to GATHER_MAX, or until the
+        batch is full): clients that start together arrive a few milliseconds apart."""
+        seen, deadline = self.waiting.qsize(), time.perf_counter() + GATHER_MAX
+        while seen < self.max_concurrency and time.perf_counter() < deadline:
+            time.sleep(GATHER_S)
+            now = self.waiting.qsize()
+            if now == seen:
+                return
+            seen = now
+
     def _start(self, seq: Sequence) -> bool:
         """Give ``seq`` its state (a cached prefix where one matches), sampler and text cutter;
         False if it is already done."""
@@ -208,10 +235,66 @@ class Scheduler:
         return True
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Run the new prompt tokens of ``seqs`` and sample each one's first token. Plain-token
-        prompts that fit go through the engine together (`Engine.prefill_many`: each weight read
-        once for all of them, each result its solo one); pictures, and prompts that would not fit
-        (the engine's error then ends only that request), run alone."""
+        """Run the new prompt tokens of ``seqs`` and sample each one's first token: first those
+        that share nothing, then those that copy a prefix from a running sequence or from one of
+        the first group (`_pick_donors`)."""
+        later = self._pick_donors(seqs)
+        self._prefill_group([s for s in seqs if s not in later])
+        rest = []
+        for seq in later:
+            try:
+                if self._copy_prefix(seq):
+                    rest.append(seq)
+            except Exception as e:
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+        self._prefill_group(rest)
+
+    def _pick_donors(self, seqs: list[Sequence]) -> list[Sequence]:
+        """For each plain-token request, the running sequence or earlier new request whose tokens
+        it shares most (at least SHARE_MIN beyond its cached prefix): it becomes ``seq.donor``.
+        Returns the requests that got one, in order."""
+        later: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            if seq.soft is not None:
+                continue
+            best, share = None, seq.cached + SHARE_MIN - 1
+            for other in self.active + [s for s in seqs[:i] if s not in later]:
+                if other.soft is not None or other.state is None:
+                    continue
+                n = common_prefix(other.state.tokens if other in self.active else other.ids, seq.ids)
+                if n > share:
+                    best, share = other, n
+            if best is not None:
+                seq.donor, seq.share = best, share
+                later.append(seq)
+        return later
+
+    def _copy_prefix(self, seq: Sequence) -> bool:
+        """Give ``seq`` a copy of its donor's state (its own stays with the prefix cache). The same
+        prompt as the donor's starts at once with the donor's first logits (False: nothing left to
+        run), however far the donor has gone since; otherwise the copy stops before the last
+        prompt token, which must run. A donor that failed,
+        or whose state cannot roll back, leaves ``seq`` as it was."""
+        donor, n = seq.donor, seq.share
+        seq.donor = None
+        if donor.state is None:
+            return True
+        same = n == len(seq.ids) == len(donor.ids) and donor.first_logits is not None
+        state = donor.state.clone(n if same else min(n, len(seq.ids) - 1))
+        if state is None:
+            return True
+        self.cache.put(seq.state)
+        seq.state, seq.cached = state, state.length
+        if same:
+            self._started(seq, donor.first_logits)
+            return False
+        return True
+
+    def _prefill_group(self, seqs: list[Sequence]) -> None:
+        """Prefill ``seqs``' new tokens and sample each one's first token. Plain-token prompts that
+        fit go through the engine together (`Engine.prefill_many`: each weight read once for all
+        of them, each result its solo one); pictures, and prompts that would not fit (the
+        engine's error then ends only that request), run alone."""
         together = [s for s in seqs if s.soft is None and s.state.length + len(s.ids) - s.cached <= s.state.context]
         if len(together) > 1:
             try:
@@ -248,6 +331,7 @@ class Scheduler:
         self.metrics.inc("gemmalite_prompt_tokens_total", len(seq.ids))
         self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)
         self.active.append(seq)
+        seq.first_logits = logits
         self._accept(seq, logits)
 
     def _drop_cancelled(self) -> None:
@@ -298,6 +382,6 @@ class Scheduler:
                 self._emit(seq, Piece(tail))
         if reason != "error":  # a failed step may have left the state half written
             self.cache.put(seq.state)
-        seq.state = None
+        seq.state = seq.first_logits = None
         self.metrics.inc("gemmalite_finished_total", labels={"reason": reason})
         self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error))

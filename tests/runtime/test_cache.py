@@ -68,3 +68,24 @@ def test_spare_slots_let_a_short_step_write_in_place_and_roll_back():
     assert sorted(pos[pos >= 0].tolist()) == list(range(16, 21))  # what position 21's query needs, and more
     ring.write(*_kv(range(21, 28)), start=21)  # 7 tokens: rolls back no further than its 3rd position
     assert not ring.can_truncate(22) and ring.can_truncate(23)
+
+
+def test_clone_shares_nothing_and_rolls_back_only_where_the_rings_can():
+    """`KVState.clone`: the copy holds the same entries (of a wrapped sliding ring too), writing to
+    either leaves the other as it was, and a prefix the sliding ring no longer holds gives None."""
+    full, sliding = KVRing(16, 1, 2, window=None), KVRing(6, 1, 2, window=4)
+    state = KVState({0: full, 1: sliding}, context=16)
+    for r in (full, sliding):
+        r.write(*_kv(range(9)), start=0)
+    state.length, state.tokens = 9, list(range(100, 109))
+    copy = state.clone()
+    for a, b in zip(state.rings.values(), copy.rings.values()):
+        assert sorted(a.view()[2].tolist()) == sorted(b.view()[2].tolist())
+        np.testing.assert_array_equal(a.view()[0], b.view()[0])
+    for r in copy.rings.values():
+        r.write(*_kv([50]), start=9)
+    assert full.length == 9 and 9 not in sliding.pos and copy.length == 9 and state.tokens == list(range(100, 109))
+    short = state.clone(7)  # the sliding ring still holds positions 3.. (needs 4.. for a query at 7)
+    assert short.length == 7 and short.tokens == list(range(100, 107)) and state.length == 9
+    assert state.clone(2) is None and state.length == 9  # position 2 left the 6-slot ring
+    assert state.clone(10) is None

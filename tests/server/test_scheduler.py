@@ -28,11 +28,13 @@ class CountingEngine:
         self.batches: list[int] = []
         self.prefills: list[int] = []  # sequences per prefill_many call
         self.step_s = step_s
+        self.prefilled = 0  # prompt tokens run
 
     def new_state(self) -> KVState:
         return KVState({}, context=64)
 
     def prefill(self, state, ids, soft=None):
+        self.prefilled += len(ids)
         state.length += len(ids)
         state.tokens.extend(int(i) for i in ids)
         return np.array([[float(ids[-1])]])
@@ -133,3 +135,42 @@ def test_requests_waiting_together_are_prefilled_together():
         sch.close()
     assert [text for text, _ in results] == [_text(10 * (i + 1) + 1, 10 * (i + 1) + 2) for i in range(4)]
     assert eng.prefills[0] == 3  # the first three together (max_concurrency); the fourth later, alone
+
+
+def test_a_request_shares_a_running_sequences_prompt():
+    """A request whose prompt starts with a running sequence's tokens copies that state and runs
+    only its own tail (the running one's prompt is not recomputed); the same prompt as a running
+    or just prefilled sequence takes that one's first logits and runs nothing."""
+    from gemmalite.server.scheduler import SHARE_MIN
+
+    eng = CountingEngine(step_s=0.02)
+    sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=4, prefix_cache=0).start()
+    base = list(range(5, 5 + SHARE_MIN + 4))
+    try:
+        a, b = queue.Queue(), queue.Queue()
+        sch.submit(_seq(base, 40, a))
+        a.get(timeout=10)  # running
+        sch.submit(_seq(base + [90, 91], 2, b))
+        text_b, fin_b = _drain(b)
+        assert (text_b, fin_b.cached_tokens) == (_text(92, 93), len(base))
+        assert eng.prefilled == len(base) + 2
+        c = queue.Queue()  # the running one's prompt again, after it has taken several steps
+        sch.submit(_seq(base, 2, c))
+        text_c, fin_c = _drain(c)
+        assert (text_c, fin_c.cached_tokens) == (_text(25, 26), len(base))
+        assert eng.prefilled == len(base) + 2 and not _drain(a)[1].reason == "error"
+    finally:
+        sch.close()
+    eng = CountingEngine()
+    sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=4, prefix_cache=0)
+    sinks = [queue.Queue() for _ in range(3)]
+    for q in sinks:
+        sch.waiting.put_nowait(_seq(base, 2, q))
+    sch.waiting.put_nowait(_seq(base[: SHARE_MIN - 1] + [99], 1, queue.Queue()))  # shares too little
+    sch.start()
+    try:
+        results = [_drain(q) for q in sinks]
+    finally:
+        sch.close()
+    assert [(t, f.cached_tokens) for t, f in results] == [(_text(25, 26), 0), (_text(25, 26), len(base)), (_text(25, 26), len(base))]
+    assert eng.prefilled == len(base) + SHARE_MIN

@@ -122,3 +122,43 @@ def test_decode_batch_context_full(gl, tiny_dir):
     eng.prefill(s, np.arange(5, 13))
     with pytest.raises(gl.ContextError):
         eng.decode_batch([s], [5])
+
+
+
+def test_requests_that_start_alike_share_one_prefill(model):
+    """A burst of requests with a common prompt (the same prompt twice, one that shares 27 of its
+    tokens, one unrelated): the followers copy the computed state (`KVState.clone`, of sliding
+    rings that have wrapped: 30 tokens in 20 slots) and run only the rest, and every text equals
+    the one the request gets alone."""
+    import queue
+
+    from gemmalite.runtime.sampling import SamplingParams
+    from gemmalite.server.scheduler import SHARE_MIN, Finish, Scheduler, Sequence
+
+    vocab = model.config.vocab_size
+    base = random_ids(30, vocab, seed=5)
+    prompts = [base, base, base[:27] + random_ids(3, vocab, seed=6), random_ids(28, vocab, seed=7)]
+    assert 27 >= SHARE_MIN and prompts[2][27] != base[27] and prompts[3][0] != base[0]
+
+    def run(sch, ids_list):
+        sinks = []
+        for ids in ids_list:  # all waiting before the scheduler looks
+            sinks.append(queue.Queue())
+            sch.waiting.put_nowait(Sequence(ids=list(ids), max_tokens=6, params=SamplingParams(temperature=0),
+                                            stop_ids=set(), stop_strings=[], sink=sinks[-1].put))
+        sch.start()
+        try:
+            out = []
+            for q in sinks:
+                text = []
+                while not isinstance(ev := q.get(timeout=60), Finish):
+                    text.append(ev.text)
+                out.append(("".join(text), ev.cached_tokens))
+            return out
+        finally:
+            sch.close()
+
+    alone = [run(Scheduler(model.engine, model.tokenizer, prefix_cache=0), [p])[0] for p in prompts]
+    burst = run(Scheduler(model.engine, model.tokenizer, max_concurrency=8, prefix_cache=0), prompts)
+    assert [t for t, _ in burst] == [t for t, _ in alone]
+    assert [c for _, c in burst] == [0, 30, 27, 0]

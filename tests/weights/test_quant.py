@@ -40,7 +40,8 @@ def _int8_activations(m, x) -> bool:
 
 def _activation_step(m, x):
     """Half the rounding step of each activation where the kernel quantizes them (with
-    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid or of 32 for int8; int4 up to
+    AVX2: decode rows, T <= FEW_ROWS, per group of the int4 grid, for int8 per TILE_BLOCK (or 32
+    where the width is not a multiple of it); int4 up to
     INT4_SHORT_ROWS rows per group; int8 prefill per TILE_BLOCK values; step = max|x| / 32767,
     or max|x| / 127 per U8_BLOCK for int8 prefill on VNNI), else 0: the kernel's only error
     beyond float32."""
@@ -49,8 +50,8 @@ def _activation_step(m, x):
         return np.zeros_like(x)
     if isinstance(m, Int4Matrix):
         group = m.group if t <= quant.INT4_SHORT_ROWS else 0
-    elif t <= common.FEW_ROWS:
-        group = 32
+    elif t <= common.FEW_ROWS:  # int8 decode rows: per TILE_BLOCK values where the width allows
+        group = TILE_BLOCK if k % TILE_BLOCK == 0 else 32
     else:
         group = U8_BLOCK if _int8_activations(m, x) else TILE_BLOCK
     if not group or k % group:
@@ -107,6 +108,7 @@ def test_int8_matmul_and_rows(simd, long_rows, monkeypatch):
         monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
     m = Int8Matrix.quantize(_w(203, 96))
     _check_matmul(m)
+    _check_matmul(Int8Matrix.quantize(_w(37, 2 * TILE_BLOCK, seed=4)))  # decode rows per TILE_BLOCK values
     d = m.dense()
     ids = np.array([0, 202, 5, 5, 3, -1])
     np.testing.assert_array_equal(m.rows(ids), d[ids])
@@ -318,7 +320,7 @@ def test_matmul_all_shares_the_rounding_to_the_bit(t):
         assert np.array_equal(y, m.matmul(x))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-32", "int4-64", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-512", "int4-32", "int4-64", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("long_rows", [True, False])
 def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monkeypatch):
     """The few-row kernels widen each weight chunk once for up to four activation rows (and, for
@@ -333,16 +335,17 @@ def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monke
 
     for name in ("LONG_ROW", "LONG_ROW_SIMD"):
         monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
-    w = _w(203, 320, seed=11)
-    if fmt == "int8":
+    k = 512 if fmt == "int8-512" else 320  # int8: x per 32 values, or per TILE_BLOCK (512)
+    w = _w(203, k, seed=11)
+    if fmt.startswith("int8"):
         m = Int8Matrix.quantize(w)
     elif fmt.startswith("int4"):
         m = Int4Matrix.quantize(w, group=int(fmt[5:]))
     else:
         raw = np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[fmt])).view(np.uint8).reshape(203, -1)
-        m = GGMLMatrix(raw, fmt, (203, 320))
+        m = GGMLMatrix(raw, fmt, (203, k))
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((11, 320)).astype(np.float32)
+    x = rng.standard_normal((11, k)).astype(np.float32)
     x[:, :5] *= 30
     alone = np.concatenate([m.matmul(x[i : i + 1]) for i in range(11)])
     ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
