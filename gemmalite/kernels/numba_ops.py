@@ -322,20 +322,85 @@ LOWEST = np.float32(-3e38)  # below every score; not -inf, which fastmath ("no i
 DECODE_BLOCK = 128  # key slots per task of the decode attention (fixed by slot index: see attention_decode)
 
 
+@njit(inline="always", fastmath=True, boundscheck=False)
+def _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, kh, b, part_m, part_l, part_o):  # pragma: no cover - compiled
+    """One task of `attention_decode`: block ``b`` of KV head ``kh`` for every row and head of the group."""
+    T, nq, D = q.shape
+    N = k.shape[0]
+    g = nq // k.shape[1]
+    j0 = b * DECODE_BLOCK
+    nk = min(N, j0 + DECODE_BLOCK) - j0
+    lo = np.int64(1) << 62
+    hi = np.int64(-1)
+    for jj in range(nk):
+        p = k_pos[j0 + jj]
+        if p >= 0:
+            lo = min(lo, p)
+            hi = max(hi, p)
+    if hi < 0:
+        return
+    if causal and (lo > qhi or (window > 0 and hi <= qlo - window)):
+        return
+    if not causal and window > 0 and (lo > qhi + window or hi < qlo - window):
+        return
+    s = np.empty((g, DECODE_BLOCK), np.float32)
+    vis = np.empty(DECODE_BLOCK, np.bool_)
+    for t in range(T):
+        qp = q_pos[t]
+        seen = False
+        for jj in range(nk):
+            vis[jj] = visible(k_pos[j0 + jj], qp, window, causal)
+            seen = seen or vis[jj]
+        if not seen:
+            continue
+        for jj in range(nk):  # scores: each K row once for the group's heads
+            if vis[jj]:
+                kr = k[j0 + jj, kh]
+                for hg in range(g):
+                    qr = q[t, kh * g + hg]
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += qr[d] * kr[d]
+                    s[hg, jj] = acc * scale
+        for hg in range(g):
+            best = LOWEST
+            for jj in range(nk):
+                if vis[jj] and s[hg, jj] > best:
+                    best = s[hg, jj]
+            tot = np.float32(0.0)
+            for jj in range(nk):  # in slot order over the visible slots only
+                if vis[jj]:
+                    e = np.exp(s[hg, jj] - best)
+                    s[hg, jj] = e
+                    tot += e
+            part_m[kh, b, t, hg] = best
+            part_l[kh, b, t, hg] = tot
+        o = part_o[kh, b, t]
+        o[:, :] = 0
+        for jj in range(nk):  # weighted sum of V: each V row once for the group's heads
+            if vis[jj]:
+                vr = v[j0 + jj, kh]
+                for hg in range(g):
+                    e = s[hg, jj]
+                    for d in range(D):
+                        o[hg, d] += e * vr[d]
+
+
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True):  # pragma: no cover - compiled
+def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True, workers=1):  # pragma: no cover - compiled
     """Attention for a few query rows (decode steps) without BLAS, reading K and V once.
 
-    Split over keys (flash-decoding): one task per (KV head, DECODE_BLOCK slots) computes, for
+    Split over keys (flash-decoding): one task (`_decode_block`) per (KV head, DECODE_BLOCK slots) computes, for
     every row and every query head of the group, the block's max score, its sum of exponentials
     and its exp-weighted sum of V rows (each K/V row loaded once for all ``T x g`` queries, dot
     products and sums vectorised over the head dim); a second pass merges the blocks in slot
     order. The threads share every layer's keys however few KV heads there are, a sliding ring
     costs its own size, and a block that no row may see (every slot empty, later than the rows or
-    out of the window) is never read. Measured with the cache cold (as in a decode step, after
-    the products' weights), reading each row once in slot order beat 4 x 4 register tiles (which
-    win when K/V are hot) and slicing the heads over more tasks. Same visibility rule as the other kernels (``window`` 0:
-    none). Blocks are fixed by slot index, and within a block and across blocks the sums run in
+    out of the window) is never read. Tasks go round-robin to ``workers`` threads (a static split
+    of 5 blocks gave one thread 3 of a sliding ring's 4 full ones). In a decode step (K/V cold,
+    after the products' weights), reading each row once in slot order beat 4 x 4 register tiles
+    (which win when K/V are hot) and slicing the heads over more tasks. Same visibility rule as
+    the other kernels (``window`` 0: none). Blocks are fixed by slot index, and within a block and across blocks the sums run in
     slot order over the visible slots only, so a row's result depends on neither the other rows
     of the call nor the masked slots: a step of several tokens gives each row bit for bit what a
     one-token step gives it (prompt-lookup verification). A query that sees no slot gets zeros."""
@@ -348,65 +413,11 @@ def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True):  #
     part_o = np.empty((kv, nb, T, g, D), np.float32)
     qlo = q_pos.min()
     qhi = q_pos.max()
-    for task in prange(kv * nb):
-        kh = task // nb
-        b = task % nb
-        j0 = b * DECODE_BLOCK
-        nk = min(N, j0 + DECODE_BLOCK) - j0
-        lo = np.int64(1) << 62
-        hi = np.int64(-1)
-        for jj in range(nk):
-            p = k_pos[j0 + jj]
-            if p >= 0:
-                lo = min(lo, p)
-                hi = max(hi, p)
-        if hi < 0:
-            continue
-        if causal and (lo > qhi or (window > 0 and hi <= qlo - window)):
-            continue
-        if not causal and window > 0 and (lo > qhi + window or hi < qlo - window):
-            continue
-        s = np.empty((g, DECODE_BLOCK), np.float32)
-        vis = np.empty(DECODE_BLOCK, np.bool_)
-        for t in range(T):
-            qp = q_pos[t]
-            seen = False
-            for jj in range(nk):
-                vis[jj] = visible(k_pos[j0 + jj], qp, window, causal)
-                seen = seen or vis[jj]
-            if not seen:
-                continue
-            for jj in range(nk):  # scores: each K row once for the group's heads
-                if vis[jj]:
-                    kr = k[j0 + jj, kh]
-                    for hg in range(g):
-                        qr = q[t, kh * g + hg]
-                        acc = np.float32(0.0)
-                        for d in range(D):
-                            acc += qr[d] * kr[d]
-                        s[hg, jj] = acc * scale
-            for hg in range(g):
-                best = LOWEST
-                for jj in range(nk):
-                    if vis[jj] and s[hg, jj] > best:
-                        best = s[hg, jj]
-                tot = np.float32(0.0)
-                for jj in range(nk):  # in slot order over the visible slots only
-                    if vis[jj]:
-                        e = np.exp(s[hg, jj] - best)
-                        s[hg, jj] = e
-                        tot += e
-                part_m[kh, b, t, hg] = best
-                part_l[kh, b, t, hg] = tot
-            o = part_o[kh, b, t]
-            o[:, :] = 0
-            for jj in range(nk):  # weighted sum of V: each V row once for the group's heads
-                if vis[jj]:
-                    vr = v[j0 + jj, kh]
-                    for hg in range(g):
-                        e = s[hg, jj]
-                        for d in range(D):
-                            o[hg, d] += e * vr[d]
+    nw = min(workers, kv * nb)
+    for wk in prange(nw):  # tasks dealt round-robin: the ragged last block costs nobody a whole extra block
+        for task in range(wk, kv * nb, nw):
+            _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, task // nb, task % nb,
+                          part_m, part_l, part_o)
     for task in range(T * nq):  # merge the blocks, in slot order (serial: microseconds, no second fork)
         t = task // nq
         h = task % nq

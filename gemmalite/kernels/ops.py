@@ -113,11 +113,18 @@ def attention(
     if T <= common.FEW_ROWS:
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(q_pos, dtype=np.int64),
-                         np.ascontiguousarray(k_pos, dtype=np.int64), window or 0, np.float32(scale), out, causal)
+                         np.ascontiguousarray(k_pos, dtype=np.int64), window or 0, np.float32(scale), out, causal,
+                         _threads())
         return out
     if blas_free:
         return attention_numba(q, k, v, q_pos, k_pos, window, scale, causal)
     return _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal)
+
+
+def _threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
 
 
 _HEAD_POOL: tuple[ThreadPoolExecutor, Any] | None = None
