@@ -322,6 +322,53 @@ LOWEST = np.float32(-3e38)  # below every score; not -inf, which fastmath ("no i
 DECODE_BLOCK = 128  # key slots per task of the decode attention (fixed by slot index: see attention_decode)
 
 
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=True):  # pragma: no cover - compiled
+    """Attention of a few rows over a sliding ring without BLAS: one task per (row, query head).
+
+    Same math and mask as kernels.attention (scores * scale, finite mask, max-subtracted
+    softmax, weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's
+    worker threads asleep, so they never spin against numba's. A row's result does not depend
+    on the other rows of the call, nor on masked slots (later positions): a step of several
+    tokens gives each row bit for bit what a one-token step gives it (prompt-lookup
+    verification). A query that sees no slot gets zeros (never in the engine: a query sees itself).
+    Each thread streams the whole ring (a sliding layer's: ~0.5 MiB at E2B's shape, then in L2 for
+    the thread's other heads): in a decode step this beat splitting the ring's few key blocks over
+    the threads (`attention_decode`, which wins on full layers' long contexts)."""
+    T, nq, D = q.shape
+    N, kv = k.shape[0], k.shape[1]
+    g = nq // kv
+    for task in prange(T * nq):
+        t = task // nq
+        h = task % nq
+        kh = h // g
+        qp = q_pos[t]
+        s = np.empty(N, np.float32)
+        best = masked
+        for j in range(N):
+            kp = k_pos[j]
+            if not visible(kp, qp, window, causal):
+                s[j] = masked
+            else:
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += q[t, h, d] * k[j, kh, d]
+                s[j] = acc * scale
+                best = max(best, s[j])
+        o = out[t, h * D : (h + 1) * D]
+        o[:] = 0
+        tot = np.float32(0.0)
+        for j in range(N):  # one pass, in slot order: the sums never depend on how many masked slots follow
+            if s[j] > masked:
+                e = np.exp(s[j] - best)
+                tot += e
+                for d in range(D):
+                    o[d] += e * v[j, kh, d]
+        inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+        for d in range(D):
+            o[d] *= inv
+
+
 @njit(inline="always", fastmath=True, boundscheck=False)
 def _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, kh, b, part_m, part_l, part_o):  # pragma: no cover - compiled
     """One task of `attention_decode`: block ``b`` of KV head ``kh`` for every row and head of the group."""
