@@ -180,8 +180,8 @@ def llama_server_worker(a) -> dict:
 
         run(4)  # warm-up on the whole prompt: its table rows are paged in before timing
         ts = [run(a.new_tokens) for _ in range(a.runs)]
-        hwm = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{proc.pid}/status")
-                   if line.startswith("VmHWM"))
+        with open(f"/proc/{proc.pid}/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -71,7 +71,9 @@ def test_bf16_projections_stay_half(tmp_path, gl):
 def _mapping_rss_kib(path) -> int:
     """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
     total, mine = 0, False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
         head = line.split()
         if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
             mine = line.rstrip().endswith(str(path))
