@@ -9,9 +9,13 @@ does not escape HTML, the special tokens as variables), so the prompt text is id
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from .errors import InputError, TokenizerError
 
@@ -109,7 +113,7 @@ class Tokenizer:
         """Token ids of the rendered conversation (the template writes <bos> itself: none is added)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 
-    def stream(self) -> "TextStream":
+    def stream(self) -> TextStream:
         return TextStream(self)
 
 
@@ -182,12 +186,14 @@ def load_tokenizer_folder(folder: Path) -> Tokenizer | None:
     path = folder / "tokenizer.json"
     if not path.exists():
         return None
-    from tokenizers import Tokenizer as HFTokenizer
+    tk: Any = cached_bpe(path)
+    if tk is None:
+        from tokenizers import Tokenizer as HFTokenizer
 
-    try:
-        tk = HFTokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
-        raise TokenizerError(f"{path}: cannot be read ({e})") from None
+        try:
+            tk = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception on parse errors
+            raise TokenizerError(f"{path}: cannot be read ({e})") from None
     conf: dict[str, Any] = {}
     if (folder / "tokenizer_config.json").exists():
         conf = _json_object(folder / "tokenizer_config.json")
@@ -249,3 +255,276 @@ def fallback_tokenizer() -> Tokenizer:
     tk.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>")])
     return Tokenizer(tk, chat_template=GEMMA4_FALLBACK_TEMPLATE, special_tokens={"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, add_bos=True)
+
+
+# ---------------------------------------------------------------------------- cached BPE
+# `tokenizers` takes ~1 s to load Gemma 4's tokenizer.json (a 262k-entry vocabulary and 515k
+# merges parsed from 32 MB of JSON into hash maps), at every start. For the BPE layout Gemma's
+# checkpoints use, `CachedBPE` gives the same ids from a few arrays kept in gemmalite's cache
+# folder (written once, on the first load of a file): ~0.05 s to load.
+
+_BPE_CACHE_FORMAT = 1
+_SPACE = "\u2581"
+_NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}
+_PRE_TOKENIZER = {"type": "Split", "pattern": {"Regex": "\n+"}, "behavior": "Isolated", "invert": False}
+_DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": _SPACE}, "content": " "},
+                                             {"type": "ByteFallback"}, {"type": "Fuse"}]}
+_HEX = "0123456789abcdefABCDEF"
+
+
+class _Encoding:
+    """The ids of one text (the part of `tokenizers.Encoding` gemmalite reads)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+
+class CachedBPE:
+    """`tokenizers`' BPE for one tokenizer.json layout, from arrays (`cached_bpe`): added tokens
+    cut out of the raw text first (leftmost-longest), ``' '`` -> ``'▁'``, pieces split into runs
+    of newlines and runs of anything else, each piece one character per symbol (``<0xNN>``
+    bytes for characters without a token) merged by `kernels.bpe.bpe_merge`; decoding ``'▁'`` ->
+    ``' '``, byte tokens joined into UTF-8 (U+FFFD per byte of an invalid run). The methods
+    gemmalite uses of `tokenizers.Tokenizer`, with the same results."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], meta: dict[str, Any], source: str):
+        self._a = arrays
+        self._meta = meta
+        self._source = source
+        blob = arrays["tokens"].tobytes().decode("utf-8")
+        self._tokens = blob.split("\0")
+        self._vocab: dict[str, int] | None = None  # built on first use of token_to_id
+        self._added = {t: i for t, i, _ in meta["added"]}
+        self._special_ids = {i for _, i, s in meta["added"] if s}
+        self._split = meta["split_newlines"]
+        self._normalize = meta["normalize"]
+        self._prefix, self._suffix = meta["prefix"], meta["suffix"]
+        pats = sorted(self._added, key=len, reverse=True)  # alternatives longest first: leftmost-longest
+        self._added_re = re.compile("|".join(map(re.escape, pats))) if pats else None
+
+    # -- the tokenizers.Tokenizer interface ----------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
+        ids: list[int] = list(self._prefix) if add_special_tokens else []
+        start = 0
+        if self._added_re is not None:
+            for m in self._added_re.finditer(text):
+                if m.start() > start:
+                    ids += self._encode_plain(text[start:m.start()])
+                ids.append(self._added[m.group()])
+                start = m.end()
+        if start < len(text):
+            ids += self._encode_plain(text[start:])
+        if add_special_tokens:
+            ids += self._suffix
+        return _Encoding(ids)
+
+    def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True) -> list[_Encoding]:
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        parts: list[str] = []
+        run = bytearray()
+        tokens, n = self._tokens, len(self._tokens)
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < n or (skip_special_tokens and i in self._special_ids):
+                continue
+            tok = tokens[i].replace(_SPACE, " ")
+            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">") and _hex_byte(tok[3:5]) is not None:
+                run.append(_hex_byte(tok[3:5]))
+                continue
+            if run:
+                parts.append(_utf8_or_replacement(run))
+                run = bytearray()
+            parts.append(tok)
+        if run:
+            parts.append(_utf8_or_replacement(run))
+        return "".join(parts)
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self._added:
+            return self._added[token]
+        if self._vocab is None:
+            self._vocab = dict(zip(self._tokens, range(len(self._tokens))))
+        return self._vocab.get(token)
+
+    def id_to_token(self, tid: int) -> str | None:
+        return self._tokens[tid] if 0 <= tid < len(self._tokens) else None
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return len(self._tokens)
+
+    def save(self, path: str) -> None:
+        import shutil
+
+        shutil.copyfile(self._source, path)
+
+    def to_str(self) -> str:
+        return Path(self._source).read_text(encoding="utf-8")
+
+    # -- encoding ---------------------------------------------------------------------------
+    def _encode_plain(self, text: str) -> list[int]:
+        """Ids of text without added tokens: normalize, split, merge."""
+        from .kernels.bpe import bpe_merge
+
+        if self._normalize:
+            text = text.replace(" ", _SPACE)
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        a = self._a
+        idx = np.minimum(np.searchsorted(a["char_cp"], cps), len(a["char_cp"]) - 1)
+        found = a["char_cp"][idx] == cps
+        syms = a["char_id"][idx].astype(np.int32)
+        if self._split:  # a new word wherever a newline run starts or ends
+            nl = cps == 10
+            bounds = np.flatnonzero(nl[1:] != nl[:-1]) + 1
+        else:
+            bounds = np.zeros(0, np.int64)
+        if not found.all():  # characters without a token: their UTF-8 bytes, one symbol each
+            pieces, cuts, pos = [], [], 0
+            missing = set(np.flatnonzero(~found).tolist())
+            bset = set(bounds.tolist())
+            for i, s in enumerate(syms.tolist()):
+                if i in bset:
+                    cuts.append(pos)
+                if i in missing:
+                    bs = chr(cps[i]).encode("utf-8", "surrogatepass")
+                    pieces += [int(a["byte_id"][b]) for b in bs]
+                    pos += len(bs)
+                else:
+                    pieces.append(s)
+                    pos += 1
+            syms = np.asarray(pieces, dtype=np.int32)
+            bounds = np.asarray(cuts, dtype=np.int64)
+        starts = np.concatenate([[0], bounds, [len(syms)]]).astype(np.int64)
+        out = np.empty(len(syms), dtype=np.int32)
+        n = bpe_merge(syms, starts, a["keys"], a["ranks"], a["new_ids"], out)
+        return out[:n].tolist()
+
+
+def _hex_byte(s: str) -> int | None:
+    """Two characters as Rust's ``u8::from_str_radix(s, 16)`` reads them (a leading '+' allowed)."""
+    if len(s) == 2 and s[1] in _HEX and (s[0] in _HEX or s[0] == "+"):
+        return int(s, 16)
+    return None
+
+
+def _utf8_or_replacement(run: bytearray) -> str:
+    try:
+        return run.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(run)
+
+
+def _bpe_layout(conf: dict[str, Any]) -> dict[str, Any] | None:
+    """What `CachedBPE` needs from a parsed tokenizer.json, or None when it uses anything else."""
+    model = conf.get("model") or {}
+    if (model.get("type") != "BPE" or model.get("dropout") is not None or model.get("continuing_subword_prefix")
+            or model.get("end_of_word_suffix") or model.get("ignore_merges") or not model.get("byte_fallback")
+            or conf.get("truncation") is not None or conf.get("padding") is not None
+            or conf.get("normalizer") not in (None, _NORMALIZER) or conf.get("pre_tokenizer") not in (None, _PRE_TOKENIZER)
+            or conf.get("decoder") != _DECODER):
+        return None
+    added = conf.get("added_tokens") or []
+    if any(a.get("single_word") or a.get("lstrip") or a.get("rstrip") or a.get("normalized") for a in added):
+        return None
+    prefix: list[int] = []
+    suffix: list[int] = []
+    post = conf.get("post_processor")
+    if post is not None:
+        if post.get("type") != "TemplateProcessing":
+            return None
+        specials = post.get("special_tokens") or {}
+        seen = False
+        for item in post.get("single") or []:
+            if "Sequence" in item:
+                if seen or item["Sequence"].get("id") != "A":
+                    return None
+                seen = True
+            elif "SpecialToken" in item:
+                ids = (specials.get(item["SpecialToken"].get("id")) or {}).get("ids")
+                if not ids:
+                    return None
+                (suffix if seen else prefix).extend(int(i) for i in ids)
+            else:
+                return None
+        if not seen:
+            return None
+    return {"added": [[a["content"], int(a["id"]), bool(a.get("special"))] for a in added],
+            "split_newlines": conf.get("pre_tokenizer") is not None, "normalize": conf.get("normalizer") is not None,
+            "prefix": prefix, "suffix": suffix}
+
+
+def _bpe_arrays(model: dict[str, Any]) -> dict[str, np.ndarray]:
+    vocab: dict[str, int] = model["vocab"]
+    n = max(vocab.values()) + 1
+    if n != len(vocab):
+        raise ValueError("vocabulary ids are not 0..n-1")
+    tokens = [""] * n
+    for t, i in vocab.items():
+        tokens[i] = t
+    if any("\0" in t for t in tokens):
+        raise ValueError("a token contains NUL")
+    byte_id = np.array([vocab.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int32)
+    if (byte_id < 0).any():
+        raise ValueError("byte fallback without all 256 byte tokens")
+    chars = sorted((ord(t), i) for t, i in vocab.items() if len(t) == 1)
+    merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    left = np.array([vocab[a] for a, _ in merges], dtype=np.int64)
+    right = np.array([vocab[b] for _, b in merges], dtype=np.int64)
+    new_ids = np.array([vocab[a + b] for a, b in merges], dtype=np.int32)
+    keys = (left << 32) | right
+    # one rank per pair: the last of duplicates, as in tokenizers' map (later inserts win)
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    last = np.append(sk[1:] != sk[:-1], True)
+    return {"tokens": np.frombuffer("\0".join(tokens).encode("utf-8"), dtype=np.uint8),
+            "char_cp": np.array([c for c, _ in chars], dtype=np.uint32), "char_id": np.array([i for _, i in chars], dtype=np.int32),
+            "byte_id": byte_id, "keys": sk[last], "ranks": order[last].astype(np.int32), "new_ids": new_ids}
+
+
+def cached_bpe(path: Path) -> CachedBPE | None:
+    """A `CachedBPE` for ``path`` (tokenizer.json) from gemmalite's cache folder, building the cache
+    on first use; None when the file uses something `CachedBPE` does not reproduce (the caller
+    then loads it with `tokenizers`). The cache is keyed by the file's path, size and time stamp."""
+    import hashlib
+    import os
+
+    from .settings import VERSION, cache_root
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{VERSION}|{_BPE_CACHE_FORMAT}".encode()).hexdigest()[:20]
+    base = cache_root() / "tokenizers"
+    npz, info = base / f"{key}.bpe.npz", base / f"{key}.bpe.json"
+    try:
+        meta = json.loads(info.read_text())
+        if meta is None:
+            return None  # known not to fit
+        with np.load(npz) as z:
+            return CachedBPE({k: z[k] for k in z.files}, meta, str(path))
+    except Exception:  # noqa: BLE001, S110 - absent, partial or from another version: rebuild
+        pass
+    conf = _json_object(path)
+    meta = _bpe_layout(conf)
+    arrays = None
+    if meta is not None:
+        try:
+            arrays = _bpe_arrays(conf["model"])
+            vocab = conf["model"]["vocab"]
+            if any(vocab.get(t) != i for t, i, _ in meta["added"]):  # added tokens outside the vocabulary
+                arrays = meta = None
+        except (ValueError, KeyError, TypeError):
+            arrays = meta = None
+    try:  # atomically (tmp + rename); a read-only cache folder only costs speed
+        base.mkdir(parents=True, exist_ok=True)
+        if arrays is not None:
+            tmp = npz.with_name(f"{npz.stem}.tmp{os.getpid()}.npz")
+            np.savez(tmp, **arrays)
+            os.replace(tmp, npz)
+        tmp = info.with_name(f"{info.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, info)
+    except OSError:
+        pass
+    return CachedBPE(arrays, meta, str(path)) if arrays is not None else None

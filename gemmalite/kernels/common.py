@@ -27,6 +27,14 @@ HAVE_AVX2 = "+avx2" in _FEATURES
 HAVE_VNNI = (HAVE_AVX2 and os.environ.get("GEMMALITE_VNNI", "1") != "0"
              and (("+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES) or "+avxvnni" in _FEATURES))
 
+# Does the host have AVX-512 BF16 (``vdpbf16ps``: 32 bfloat16 products per instruction, twice a
+# float32 FMA's)? GEMMALITE_BF16_DOT=1 lets prefill products of bfloat16 weights round their
+# activations to bfloat16 and use it (`kernels.half.bf16_matmul`): ~2x the float32 tiles, at
+# the price of an activation rounding as large as the weights' own (off by default). Read at call
+# time, like HAVE_AVX2.
+HAVE_BF16 = "+avx512bf16" in _FEATURES
+BF16_DOT = HAVE_BF16 and os.environ.get("GEMMALITE_BF16_DOT", "0") == "1"
+
 # Products of at most this many activation rows (decode steps) run fused numba kernels that read
 # each weight once for all rows, and attention for that many query rows runs in numba: a decode
 # step then makes no BLAS call, so OpenBLAS's workers never spin against numba's.

@@ -14,25 +14,6 @@ ROWS_PER_TASK = 64
 PREFETCH_STRIPS = 4  # matmul_tiles: 4-row strips ahead whose weights are prefetched
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def half_matmul_small(x, w, bf16, out):  # pragma: no cover - compiled
-    """out[t, r] = sum_c x[t, c] * float32(w[r, c]) for a few rows of x; ``w`` holds the raw
-    uint16 bits of bfloat16 (``bf16``) or float16 values, converted in registers as they are
-    read: 2 bytes per weight from memory, no float32 copy."""
-    R, C = w.shape
-    T = x.shape[0]
-    for r in prange(R):
-        for t in range(T):
-            acc = np.float32(0.0)
-            if bf16:
-                for c in range(C):
-                    acc += x[t, c] * bf2f(w[r, c])
-            else:
-                for c in range(C):
-                    acc += x[t, c] * h2f(w[r, c])
-            out[t, r] = acc
-
-
 def _weight(w, r, c, bf16):  # pragma: no cover - typed by the overload below
     """``w[r, c]`` as float32: float32 as is, uint16 bits as bfloat16 (``bf16``) or float16."""
 
@@ -152,19 +133,6 @@ def matmul_tiles(x, w, bf16, out):  # pragma: no cover - compiled
         for i in range(threes):
             t0 = 4 * fours + 3 * i
             _tile4x3(x, w, bf16, out, ra, rb, rc, rd, t0, t0 + 1, t0 + 2)
-
-
-@njit(cache=True, boundscheck=False)
-def half_rows_to_f32(w, r0, bf16, out):  # pragma: no cover - compiled
-    """Rows ``r0 .. r0 + len(out)`` of half-precision bits ``w`` into float32 ``out`` (serial:
-    prefill converts one block while BLAS, on all cores, multiplies the previous one)."""
-    for i in range(out.shape[0]):
-        if bf16:
-            for c in range(out.shape[1]):
-                out[i, c] = bf2f(w[r0 + i, c])
-        else:
-            for c in range(out.shape[1]):
-                out[i, c] = h2f(w[r0 + i, c])
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

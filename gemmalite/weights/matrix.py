@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..kernels import common
-from ..kernels.numba_ops import f32_matmul_small, half_matmul_small, half_rows_to_f32, matmul_tiles
+from ..kernels.half import ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
+from ..kernels.numba_ops import f32_matmul_small, matmul_tiles
 
 try:  # bfloat16 is only a storage format here; math is float32
     import ml_dtypes
@@ -122,12 +123,12 @@ class Matrix:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+    def prepare(self, x: np.ndarray) -> np.ndarray | Prepared:
         """``x`` in the form this format's products take, for several matrices of the same input
         width and format (`matmul_all`); formats without a conversion return ``x``."""
         return x
 
-    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+    def matmul_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
         """``matmul`` of an input from `prepare` (of this matrix or a sibling)."""
         return self.matmul(p.x if isinstance(p, Prepared) else p)
 
@@ -207,11 +208,17 @@ class HalfMatrix(Matrix):
     """A bfloat16 / float16 matrix used in place, in its stored dtype (typically memory-mapped
     from the checkpoint: loading copies nothing, memory holds 2 bytes per weight).
 
-    Decode (``T <= FEW_ROWS``) and short inputs (``T <= SHORT_ROWS``) convert each weight in
-    registers as it is read (`half_matmul_small`, `matmul_tiles`); longer prefills convert
-    blocks of rows into a per-thread float32 buffer for BLAS; ``rows`` converts only the rows
-    asked for.
+    Every product converts each weight in registers as it is read (`kernels.half.half_matmul`:
+    float32 activations, one FMA per weight, 2 bytes read per weight; decode near memory
+    bandwidth, prefill ~2x BLAS on blocks converted to float32), no BLAS call. Each row of a
+    product is bit for bit its one-row product. With `common.BF16_DOT` (AVX-512 BF16, opted
+    in), bfloat16 products of more than FEW_ROWS rows round the activations to bfloat16 and
+    take ``vdpbf16ps`` (`kernels.half.bf16_matmul`, ~2x faster again). ``rows`` converts only
+    the rows asked for.
     """
+
+    uses_blas = False
+    independent_rows = True
 
     def __init__(self, w: np.ndarray):
         assert w.ndim == 2 and w.dtype in (np.float16, BF16), w.dtype
@@ -227,27 +234,47 @@ class HalfMatrix(Matrix):
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return table_rows(self.w, ids).astype(np.float32)
 
-    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
-        half_rows_to_f32(self._bits, r0, self._bf16, out)
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
+    def _check(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"x must be [T, {self.shape[1]}], got {x.shape}")
-        if x.shape[0] > common.SHORT_ROWS:
-            return self._matmul_blocked(x)
+        return x
+
+    def _dot(self, t: int) -> bool:
+        """Does a product of ``t`` rows take bfloat16 activations (`common.BF16_DOT`)?"""
+        return common.BF16_DOT and self._bf16 and t > common.FEW_ROWS
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return self.matmul_prepared(self.prepare(x))
+
+    def prepare(self, x: np.ndarray) -> np.ndarray | Prepared:
+        x = self._check(x)
+        if not self._dot(x.shape[0]):
+            return x
+        xb = np.empty(x.shape, dtype=np.uint16)
+        round_bf16(x.view(np.uint32), xb)
+        return Prepared(x, "bf16", xb)
+
+    def matmul_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
+        x = p.x if isinstance(p, Prepared) else self._check(p)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        if x.shape[0] <= common.FEW_ROWS:
-            half_matmul_small(x, self._bits, self._bf16, out)
+        if isinstance(p, Prepared) and p.kind == "bf16" and self._dot(x.shape[0]):
+            bf16_matmul(p.data, self._bits, out)
         else:
-            matmul_tiles(x, self._bits, self._bf16, out)
+            half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
         return out
 
+    def _rows_per_task(self, t: int) -> int:
+        return 1 if t <= common.FEW_ROWS and self.shape[1] <= ONE_ROW_COLS else ROWS
+
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        return self._each_in_chunks(x, common.FEW_ROWS)
+        x = self._check(x)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
+        return out
 
     def uses_blas_for(self, rows: int) -> bool:
-        return rows > common.SHORT_ROWS
+        return False
 
     def __repr__(self):
         return f"HalfMatrix{self.shape}({'bfloat16' if self._bf16 else 'float16'})"

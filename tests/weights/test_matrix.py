@@ -19,7 +19,7 @@ def _half(rows, cols, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("t", [1, 3, common.FEW_ROWS + 1, 18, common.SHORT_ROWS, common.SHORT_ROWS + 1, 90])
 def test_half_matmul_equals_float64_on_the_same_values(dtype, t, monkeypatch):
-    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 72)  # prefill: several row blocks, the last ragged
+    monkeypatch.setattr(common, "BF16_DOT", False)  # float32 activations (vdpbf16ps: tests/kernels/test_half.py)
     w = _half(333, 72, dtype, seed=t)
     m = HalfMatrix(w)
     x = np.random.default_rng(100 + t).standard_normal((t, 72)).astype(np.float32)
