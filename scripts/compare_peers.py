@@ -140,6 +140,56 @@ def llama_worker(a) -> dict:
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
 
 
+def llama_server_worker(a) -> dict:
+    """llama.cpp through its own server binary (no llama-cpp-python needed): the prompt as token ids to
+    ``/completion`` (``cache_prompt`` off, end of sequence ignored, greedy), figures from the server's own
+    ``timings`` (prompt_per_second, predicted_per_second); peak RSS is the server process's VmHWM."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = max(512, a.prompt_tokens + a.new_tokens + 8)
+    cmd = [a.llama_server, "-m", a.gguf, "--port", str(port), "-c", str(ctx), "--parallel", "1", "-t", str(a.threads),
+           "-tb", str(a.threads), "--no-webui", "-cram", "0"]
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        load_s = time.perf_counter() - t0
+        prompt = prompt_ids(Path(a.model), a.prompt_tokens)
+
+        def run(n: int) -> dict:
+            body = json.dumps({"prompt": prompt, "n_predict": n, "cache_prompt": False, "ignore_eos": True,
+                               "temperature": 0, "top_k": 1}).encode()
+            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=a.timeout) as r:
+                t = json.loads(r.read())["timings"]
+            assert t["prompt_n"] == len(prompt) and t["predicted_n"] == n, t
+            return t
+
+        run(4)  # warm-up on the whole prompt: its table rows are paged in before timing
+        ts = [run(a.new_tokens) for _ in range(a.runs)]
+        with open(f"/proc/{proc.pid}/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return {"load_s": load_s, "prefill_tok_s": statistics.median(t["prompt_per_second"] for t in ts),
+            "decode_tok_s": statistics.median(t["predicted_per_second"] for t in ts), "peak_rss_bytes": hwm,
+            "weight_bytes_per_token": gguf_bytes_per_token(a.gguf), "server": a.llama_server}
+
+
 def gguf_bytes_per_token(path: str) -> int:
     """Bytes of every tensor but the per-layer embedding table (row lookups); token_embd is the tied LM head."""
     from gguf import GGUFReader
@@ -196,9 +246,9 @@ def converter_input(model: Path, gdir: Path) -> Path:
     return stage
 
 
-def ensure_ggufs(model: Path, threads: int, src_dir: Path) -> dict[str, Path]:
+def ensure_ggufs(model: Path, threads: int, src_dir: Path, kinds=("Q8_0", "Q4_0")) -> dict[str, Path]:
     gdir = model / "gguf"
-    paths = {k: gdir / f"{model.name}-{k}.gguf" for k in ("Q8_0", "Q4_0")}
+    paths = {k: gdir / f"{model.name}-{k}.gguf" for k in kinds}
     if all(p.exists() for p in paths.values()):
         return paths
     gdir.mkdir(exist_ok=True)
@@ -211,9 +261,9 @@ def ensure_ggufs(model: Path, threads: int, src_dir: Path) -> dict[str, Path]:
         tmp.rename(dst)
         print(f"[gguf] {dst.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
-    if not paths["Q8_0"].exists():
+    if "Q8_0" in paths and not paths["Q8_0"].exists():
         convert("q8_0", paths["Q8_0"])
-    if not paths["Q4_0"].exists():
+    if "Q4_0" in paths and not paths["Q4_0"].exists():
         bf16 = gdir / f"{model.name}-bf16.gguf"
         if not bf16.exists():
             convert("bf16", bf16)
@@ -280,8 +330,9 @@ def runtimes(a, ggufs: dict[str, Path]) -> dict[str, list[str]]:
         for dt in ("bf16", "f32") if a.with_hf_f32 else ("bf16",):
             rt[f"transformers {dt}"] = [py, me, "--worker", "hf", "--model", str(a.model), "--dtype", dt, *common]
     for k, path in ggufs.items():
-        rt[f"llama.cpp {k}"] = [py, me, "--worker", "llama", "--model", str(a.model), "--gguf", str(path), *common]
-    return rt
+        worker = ["--worker", "llama-server", "--llama-server", a.llama_server] if a.llama_server else ["--worker", "llama"]
+        rt[f"llama.cpp {k}"] = [py, me, *worker, "--model", str(a.model), "--gguf", str(path), *common]
+    return {k: v for k, v in rt.items() if not a.only or k == "bandwidth" or k in a.only}
 
 
 def median_of(rounds: list[dict], max_others: float) -> dict:
@@ -354,18 +405,25 @@ def main(argv=None) -> int:
                     help="checkpoint written by `gemmalite convert --quant int8` (else quantized at load)")
     ap.add_argument("--converted-int4", type=Path, default=None,
                     help="checkpoint written by `gemmalite convert --quant int4` (else quantized at load)")
-    ap.add_argument("--worker", choices=["hf", "llama", "quantize"], help=argparse.SUPPRESS)
+    ap.add_argument("--llama-server", default=None, metavar="BIN",
+                    help="run llama.cpp through this llama-server binary (its own timings) instead of llama-cpp-python")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="comma-separated runtimes to run, e.g. 'gemmalite int8,transformers bf16,llama.cpp Q8_0'")
+    ap.add_argument("--worker", choices=["hf", "llama", "llama-server", "quantize"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", "--src", dest="gguf", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         a.src = a.gguf
-        print(json.dumps({"hf": hf_worker, "llama": llama_worker, "quantize": quantize_worker}[a.worker](a)))
+        workers = {"hf": hf_worker, "llama": llama_worker, "llama-server": llama_server_worker, "quantize": quantize_worker}
+        print(json.dumps(workers[a.worker](a)))
         return 0
 
     a.model = a.model.resolve()
-    ggufs = {} if a.skip_llama else ensure_ggufs(a.model, a.threads, a.lcpp_src)
+    a.only = [n.strip() for n in a.only.split(",")] if a.only else None
+    kinds = [k for k in ("Q8_0", "Q4_0") if not a.only or f"llama.cpp {k}" in a.only]
+    ggufs = {} if a.skip_llama or not kinds else ensure_ggufs(a.model, a.threads, a.lcpp_src, kinds)
     env = {**os.environ, **{v: str(a.threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                                           "NUMBA_NUM_THREADS")}, "TOKENIZERS_PARALLELISM": "false"}
     rt = runtimes(a, ggufs)

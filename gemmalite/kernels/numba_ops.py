@@ -286,16 +286,23 @@ def softmax_rows_serial(s, scale):  # pragma: no cover - compiled
         softmax_row(s[r], scale)
 
 
+LOWEST = np.float32(-3e38)  # below every score; not -inf, which fastmath ("no infinities") may fold away
+DECODE_BLOCK = 128  # key slots per task of the decode attention (fixed by slot index: see attention_decode)
+
+
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=True):  # pragma: no cover - compiled
-    """Attention without BLAS (decode rows, moderate prefills): one task per (row, query head).
+    """Attention of a few rows over a sliding ring without BLAS: one task per (row, query head).
 
     Same math and mask as kernels.attention (scores * scale, finite mask, max-subtracted
     softmax, weighted sum of V); ``window`` 0 means no sliding window. It keeps OpenBLAS's
     worker threads asleep, so they never spin against numba's. A row's result does not depend
     on the other rows of the call, nor on masked slots (later positions): a step of several
     tokens gives each row bit for bit what a one-token step gives it (prompt-lookup
-    verification). A query that sees no slot gets zeros (never in the engine: a query sees itself)."""
+    verification). A query that sees no slot gets zeros (never in the engine: a query sees itself).
+    Each thread streams the whole ring (a sliding layer's: ~0.5 MiB at E2B's shape, then in L2 for
+    the thread's other heads): in a decode step this beat splitting the ring's few key blocks over
+    the threads (`attention_decode`, which wins on full layers' long contexts)."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv
@@ -330,6 +337,126 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
             o[d] *= inv
 
 
+@njit(inline="always", fastmath=True, boundscheck=False)
+def _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, kh, b, part_m, part_l, part_o):  # pragma: no cover - compiled
+    """One task of `attention_decode`: block ``b`` of KV head ``kh`` for every row and head of the group."""
+    T, nq, D = q.shape
+    N = k.shape[0]
+    g = nq // k.shape[1]
+    j0 = b * DECODE_BLOCK
+    nk = min(N, j0 + DECODE_BLOCK) - j0
+    lo = np.int64(1) << 62
+    hi = np.int64(-1)
+    for jj in range(nk):
+        p = k_pos[j0 + jj]
+        if p >= 0:
+            lo = min(lo, p)
+            hi = max(hi, p)
+    if hi < 0:
+        return
+    if causal and (lo > qhi or (window > 0 and hi <= qlo - window)):
+        return
+    if not causal and window > 0 and (lo > qhi + window or hi < qlo - window):
+        return
+    s = np.empty((g, DECODE_BLOCK), np.float32)
+    vis = np.empty(DECODE_BLOCK, np.bool_)
+    for t in range(T):
+        qp = q_pos[t]
+        seen = False
+        for jj in range(nk):
+            vis[jj] = visible(k_pos[j0 + jj], qp, window, causal)
+            seen = seen or vis[jj]
+        if not seen:
+            continue
+        for jj in range(nk):  # scores: each K row once for the group's heads
+            if vis[jj]:
+                kr = k[j0 + jj, kh]
+                for hg in range(g):
+                    qr = q[t, kh * g + hg]
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += qr[d] * kr[d]
+                    s[hg, jj] = acc * scale
+        for hg in range(g):
+            best = LOWEST
+            for jj in range(nk):
+                if vis[jj] and s[hg, jj] > best:
+                    best = s[hg, jj]
+            tot = np.float32(0.0)
+            for jj in range(nk):  # in slot order over the visible slots only
+                if vis[jj]:
+                    e = np.exp(s[hg, jj] - best)
+                    s[hg, jj] = e
+                    tot += e
+            part_m[kh, b, t, hg] = best
+            part_l[kh, b, t, hg] = tot
+        o = part_o[kh, b, t]
+        o[:, :] = 0
+        for jj in range(nk):  # weighted sum of V: each V row once for the group's heads
+            if vis[jj]:
+                vr = v[j0 + jj, kh]
+                for hg in range(g):
+                    e = s[hg, jj]
+                    for d in range(D):
+                        o[hg, d] += e * vr[d]
+
+
+@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True, workers=1):  # pragma: no cover - compiled
+    """Attention for a few query rows (decode steps) without BLAS, reading K and V once.
+
+    Split over keys (flash-decoding): one task (`_decode_block`) per (KV head, DECODE_BLOCK slots) computes, for
+    every row and every query head of the group, the block's max score, its sum of exponentials
+    and its exp-weighted sum of V rows (each K/V row loaded once for all ``T x g`` queries, dot
+    products and sums vectorised over the head dim); a second pass merges the blocks in slot
+    order. The threads share every layer's keys however few KV heads there are, a sliding ring
+    costs its own size, and a block that no row may see (every slot empty, later than the rows or
+    out of the window) is never read. Tasks go round-robin to ``workers`` threads (a static split
+    of 5 blocks gave one thread 3 of a sliding ring's 4 full ones). In a decode step (K/V cold,
+    after the products' weights), reading each row once in slot order beat 4 x 4 register tiles
+    (which win when K/V are hot) and slicing the heads over more tasks. Same visibility rule as
+    the other kernels (``window`` 0: none). Blocks are fixed by slot index, and within a block and across blocks the sums run in
+    slot order over the visible slots only, so a row's result depends on neither the other rows
+    of the call nor the masked slots: a step of several tokens gives each row bit for bit what a
+    one-token step gives it (prompt-lookup verification). A query that sees no slot gets zeros."""
+    T, nq, D = q.shape
+    N, kv = k.shape[0], k.shape[1]
+    g = nq // kv
+    nb = (N + DECODE_BLOCK - 1) // DECODE_BLOCK
+    part_m = np.empty((kv, nb, T, g), np.float32)
+    part_l = np.zeros((kv, nb, T, g), np.float32)  # 0: the block gave this query nothing
+    part_o = np.empty((kv, nb, T, g, D), np.float32)
+    qlo = q_pos.min()
+    qhi = q_pos.max()
+    nw = min(workers, kv * nb)
+    for wk in prange(nw):  # tasks dealt round-robin: the ragged last block costs nobody a whole extra block
+        for task in range(wk, kv * nb, nw):
+            _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, task // nb, task % nb,
+                          part_m, part_l, part_o)
+    for task in range(T * nq):  # merge the blocks, in slot order (serial: microseconds, no second fork)
+        t = task // nq
+        h = task % nq
+        kh = h // g
+        hg = h % g
+        best = LOWEST
+        for b in range(nb):
+            if part_l[kh, b, t, hg] > 0 and part_m[kh, b, t, hg] > best:
+                best = part_m[kh, b, t, hg]
+        o = out[t, h * D : (h + 1) * D]
+        o[:] = 0
+        tot = np.float32(0.0)
+        for b in range(nb):
+            if part_l[kh, b, t, hg] > 0:
+                c = np.exp(part_m[kh, b, t, hg] - best)
+                tot += part_l[kh, b, t, hg] * c
+                pb = part_o[kh, b, t, hg]
+                for d in range(D):
+                    o[d] += c * pb[d]
+        inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+        for d in range(D):
+            o[d] *= inv
+
+
 @njit(inline="always", cache=True)
 def visible(kp, qp, window, causal):  # pragma: no cover - compiled
     """May a query at position ``qp`` see the key at ``kp`` (-1: an empty slot)? Causal: not after
@@ -339,6 +466,45 @@ def visible(kp, qp, window, causal):  # pragma: no cover - compiled
     if causal:
         return kp <= qp and (window <= 0 or kp > qp - window)
     return window <= 0 or abs(kp - qp) <= window
+
+
+@njit(inline="always", fastmath=True, boundscheck=False)
+def _scores4x4(qa, qb, qc, qd, ka, kb, kc, kd, scale, s, r0, jj):  # pragma: no cover - compiled
+    """``s[r0 + i, jj + c] = scale * q_i . k_c`` for 4 query rows x 4 keys: 16 sums per pass over
+    the head dim, 8 loads per 16 multiply-adds (``s`` has room for 4 rows and 4 keys past them)."""
+    a00 = a01 = a02 = a03 = np.float32(0.0)
+    a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = np.float32(0.0)
+    a30 = a31 = a32 = a33 = np.float32(0.0)
+    for d in range(qa.shape[0]):
+        x0 = qa[d]
+        x1 = qb[d]
+        x2 = qc[d]
+        x3 = qd[d]
+        y0 = ka[d]
+        y1 = kb[d]
+        y2 = kc[d]
+        y3 = kd[d]
+        a00 += x0 * y0
+        a01 += x0 * y1
+        a02 += x0 * y2
+        a03 += x0 * y3
+        a10 += x1 * y0
+        a11 += x1 * y1
+        a12 += x1 * y2
+        a13 += x1 * y3
+        a20 += x2 * y0
+        a21 += x2 * y1
+        a22 += x2 * y2
+        a23 += x2 * y3
+        a30 += x3 * y0
+        a31 += x3 * y1
+        a32 += x3 * y2
+        a33 += x3 * y3
+    s[r0, jj], s[r0, jj + 1], s[r0, jj + 2], s[r0, jj + 3] = a00 * scale, a01 * scale, a02 * scale, a03 * scale
+    s[r0 + 1, jj], s[r0 + 1, jj + 1], s[r0 + 1, jj + 2], s[r0 + 1, jj + 3] = a10 * scale, a11 * scale, a12 * scale, a13 * scale
+    s[r0 + 2, jj], s[r0 + 2, jj + 1], s[r0 + 2, jj + 2], s[r0 + 2, jj + 3] = a20 * scale, a21 * scale, a22 * scale, a23 * scale
+    s[r0 + 3, jj], s[r0 + 3, jj + 1], s[r0 + 3, jj + 2], s[r0 + 3, jj + 3] = a30 * scale, a31 * scale, a32 * scale, a33 * scale
 
 
 KEY_BLOCK = 64  # keys per block of the blocked attention (one block of K/V stays in L1/L2)
@@ -392,6 +558,7 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
         tot = np.zeros(QUERY_ROWS, np.float32)
         acc = np.zeros((QUERY_ROWS, D), np.float32)
         s = np.zeros((QUERY_ROWS, KEY_BLOCK), np.float32)  # probabilities of this block (0: masked)
+        vm = np.zeros(KEY_BLOCK, np.bool_)  # which keys of the block a row sees
         for kb in range(nkb):
             if blk_max[kb] < 0:
                 continue
@@ -401,55 +568,23 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                 continue
             j0 = kb * KEY_BLOCK
             nk = min(N, j0 + KEY_BLOCK) - j0
-            for r0 in range(0, nr, 4):  # scores: 4 rows x 2 keys per pass over D (rows / keys past the end repeat the last)
-                ta = t0 + r0
-                tb = t0 + min(r0 + 1, nr - 1)
-                tc = t0 + min(r0 + 2, nr - 1)
-                td = t0 + min(r0 + 3, nr - 1)
-                for jj in range(0, nk, 2):
-                    j = j0 + jj
-                    j2 = j0 + min(jj + 1, nk - 1)
-                    a0 = np.float32(0.0)
-                    a1 = np.float32(0.0)
-                    a2 = np.float32(0.0)
-                    a3 = np.float32(0.0)
-                    b0 = np.float32(0.0)
-                    b1 = np.float32(0.0)
-                    b2 = np.float32(0.0)
-                    b3 = np.float32(0.0)
-                    for d in range(D):
-                        kd = k[j, kh, d]
-                        ke = k[j2, kh, d]
-                        qa = q[ta, h, d]
-                        qb = q[tb, h, d]
-                        qc = q[tc, h, d]
-                        qd = q[td, h, d]
-                        a0 += qa * kd
-                        a1 += qb * kd
-                        a2 += qc * kd
-                        a3 += qd * kd
-                        b0 += qa * ke
-                        b1 += qb * ke
-                        b2 += qc * ke
-                        b3 += qd * ke
-                    s[r0, jj] = a0 * scale
-                    s[r0 + 1, jj] = a1 * scale
-                    s[r0 + 2, jj] = a2 * scale
-                    s[r0 + 3, jj] = a3 * scale
-                    s[r0, jj + 1] = b0 * scale
-                    s[r0 + 1, jj + 1] = b1 * scale
-                    s[r0 + 2, jj + 1] = b2 * scale
-                    s[r0 + 3, jj + 1] = b3 * scale
+            for r0 in range(0, nr, 4):  # scores: 4 rows x 4 keys per pass over D (rows / keys past the end repeat the last)
+                qa = q[t0 + r0, h]
+                qb = q[t0 + min(r0 + 1, nr - 1), h]
+                qc = q[t0 + min(r0 + 2, nr - 1), h]
+                qd = q[t0 + min(r0 + 3, nr - 1), h]
+                for jj in range(0, nk, 4):
+                    _scores4x4(qa, qb, qc, qd, k[j0 + jj, kh], k[j0 + min(jj + 1, nk - 1), kh],
+                               k[j0 + min(jj + 2, nk - 1), kh], k[j0 + min(jj + 3, nk - 1), kh], scale, s, r0, jj)
             for r in range(nr):  # mask, online softmax: rescale what came before if the max grew
                 qp = q_pos[t0 + r]
-                best = np.float32(0.0)
-                seen = False
                 for jj in range(nk):
-                    kp = k_pos[j0 + jj]
-                    if visible(kp, qp, window, causal) and (not seen or s[r, jj] > best):
-                        best = s[r, jj]
-                        seen = True
-                if not seen:
+                    vm[jj] = visible(k_pos[j0 + jj], qp, window, causal)
+                best = LOWEST
+                for jj in range(nk):
+                    x = s[r, jj] if vm[jj] else LOWEST
+                    best = x if x > best else best  # noqa: FURB136 - max() does not vectorize
+                if best == LOWEST:  # this row sees nothing here
                     for jj in range(nk):
                         s[r, jj] = 0
                     continue
@@ -462,14 +597,13 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                         acc[r, d] *= c
                     m[r] = best
                 mr = m[r]
-                for jj in range(nk):
-                    kp = k_pos[j0 + jj]
-                    if not visible(kp, qp, window, causal):
-                        s[r, jj] = 0
-                    else:
-                        e = np.exp(s[r, jj] - mr)
-                        s[r, jj] = e
-                        tot[r] += e
+                add = np.float32(0.0)
+                for jj in range(nk):  # branch-free: vectorised exp (exp_nonpositive) and select
+                    e = exp_nonpositive(s[r, jj] - mr)
+                    e = e if vm[jj] else np.float32(0.0)
+                    s[r, jj] = e
+                    add += e
+                tot[r] += add
             for r in range(nr, QUERY_ROWS):  # rows past the end weigh nothing
                 for jj in range(nk):
                     s[r, jj] = 0

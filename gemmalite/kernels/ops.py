@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import common
-from .numba_ops import (KEY_BLOCK, attention_blocked, attention_rows, gelu_tanh_inner, gelu_tanh_outer,
+from .numba_ops import (KEY_BLOCK, attention_blocked, attention_decode, attention_rows, gelu_tanh_inner, gelu_tanh_outer,
                         key_block_bounds, rms_norm_rows, rope_rows, softmax_rows_serial)
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
@@ -104,20 +104,34 @@ def attention(
     and, causal, ``pos_j <= pos_i`` and (sliding) ``pos_j > pos_i - window`` (a width), or,
     bidirectional, (sliding) ``|pos_j - pos_i| <= window`` (an inclusive radius). Returns ``[T, nq*D]``.
     KV heads are indexed, never repeated: query head h uses KV head ``h // (nq/kv)``.
-    Decode rows run `attention_rows`; with ``blas_free`` (the caller's products make no BLAS
-    call) every prefill runs the blocked numba kernel, so one thread pool does all the work;
+    Decode rows run `attention_rows` on sliding layers (a task per row and head) and
+    `attention_decode` on full ones (split over key blocks, K/V read once); with ``blas_free``
+    (the caller's products make no BLAS call) every prefill runs the blocked numba kernel, so
+    one thread pool does all the work;
     otherwise the batched numpy path below (BLAS, ``QUERY_BLOCK`` rows at a time), which is
     also the reference the numba kernels are tested against.
     """
     T, nq, D = q.shape
-    if T <= common.FEW_ROWS:
+    if T <= common.FEW_ROWS and window:  # a sliding ring: every thread streams it, a task per (row, head)
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_rows(np.ascontiguousarray(q, dtype=np.float32), k, v, q_pos, k_pos,
-                       window or 0, np.float32(scale), MASKED, out, causal)
+                       window, np.float32(scale), MASKED, out, causal)
+        return out
+    if T <= common.FEW_ROWS:  # the whole context: split over key blocks, each read once
+        out = np.empty((T, nq * D), dtype=np.float32)
+        attention_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(q_pos, dtype=np.int64),
+                         np.ascontiguousarray(k_pos, dtype=np.int64), window or 0, np.float32(scale), out, causal,
+                         _threads())
         return out
     if blas_free:
         return attention_numba(q, k, v, q_pos, k_pos, window, scale, causal)
     return _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal)
+
+
+def _threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
 
 
 _HEAD_POOL: tuple[ThreadPoolExecutor, Any] | None = None

@@ -48,6 +48,65 @@ def _prefill_rows(cols: int) -> int:
     return int(min(1024, max(256, b - b % 64)))
 
 
+FAULT_AROUND = 64 * 1024  # bytes the kernel maps around a faulting page of a cached file (its default)
+
+
+def table_rows(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``w[ids]`` (a copy). When ``w`` is a read-only file mapping (a checkpoint's embedding or
+    PLE table), the pages the lookup brought into this process are dropped again afterwards:
+    the kernel maps up to FAULT_AROUND bytes of cached file around every faulting page, so random
+    token rows of E2B's 17.5 KiB PLE table added ~120 KiB of resident memory each, about 1 GiB
+    over an 8,192-token prompt, none of it needed again (the file stays in the page cache; the
+    next lookup maps what it needs again). Only the looked-up rows' aligned windows are dropped:
+    the same mapping may be a product's weights (a tied LM head), whose pages must stay."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = w[ids]
+    if ids.size and _read_only_mapping(w):
+        _drop_rows(w, np.unique(ids % w.shape[0]))
+    return out
+
+
+def _read_only_mapping(a: np.ndarray) -> bool:
+    b: Any = a
+    while b is not None:
+        if isinstance(b, np.memmap):
+            return b.mode == "r"
+        b = getattr(b, "base", None)
+    return False
+
+
+def _drop_rows(a: np.ndarray, rows: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) over the FAULT_AROUND-aligned windows that hold ``rows`` of the
+    C-contiguous ``a`` (file-backed read-only: the pages read back from the file), clipped to
+    ``a``'s own pages; adjacent windows are merged."""
+    global _MADVISE
+    if _MADVISE is None:
+        import ctypes
+        import sys
+
+        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+        _MADVISE = libc.madvise if libc is not None else False
+        if _MADVISE:
+            _MADVISE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if not _MADVISE:
+        return
+    base, row = a.ctypes.data, a.strides[0]
+    first, last = base - base % _PAGE, -(-(base + a.nbytes) // _PAGE) * _PAGE
+    lo = np.maximum((base + rows * row) // FAULT_AROUND * FAULT_AROUND, first)
+    hi = np.minimum(-(-(base + (rows + 1) * row) // FAULT_AROUND) * FAULT_AROUND, last)
+    start, end = int(lo[0]), int(hi[0])
+    for a0, a1 in zip(lo[1:].tolist(), hi[1:].tolist()):
+        if a0 > end:
+            _MADVISE(start, end - start, 4)  # MADV_DONTNEED; a failure only leaves them mapped
+            start = a0
+        end = max(end, a1)
+    _MADVISE(start, end - start, 4)
+
+
+_MADVISE: Any = None
+_PAGE = __import__("mmap").PAGESIZE
+
+
 class Prepared(NamedTuple):
     """An input converted once for several products (`Matrix.prepare`): ``kind`` names the
     conversion, ``data`` holds it; a matrix that cannot use it multiplies ``x``."""
@@ -142,7 +201,7 @@ class F32Matrix(Matrix):
         return self.w.nbytes
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        return self.w[np.asarray(ids, dtype=np.int64)]
+        return table_rows(self.w, ids)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -190,7 +249,7 @@ class HalfMatrix(Matrix):
         return self.w.nbytes
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        return self.w[np.asarray(ids, dtype=np.int64)].astype(np.float32)
+        return table_rows(self.w, ids).astype(np.float32)
 
     def _check(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -49,6 +49,23 @@ def test_chunked_prefill_then_decode_equals_transformers_greedy(pair, monkeypatc
     assert model.generate_tokens(PROMPT, max_new_tokens=12, temperature=0.0) == H.hf_greedy(hf, PROMPT, 12)
 
 
+def test_decode_after_a_long_prefill_matches_transformers_logits(pair, monkeypatch):
+    """Decode steps after a chunked prefill, teacher-forced past 2 x DECODE_BLOCK positions (the
+    decode attention's key blocks; the sliding rings wrap every few steps): each step's logits
+    against transformers' full forward over the same tokens."""
+    from gemmalite.kernels.numba_ops import DECODE_BLOCK
+
+    hf, model = pair
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 37)
+    cont = random_ids(2 * DECODE_BLOCK + 20 - len(PROMPT), VOCAB, seed=8)
+    ref = H.hf_logits(hf, PROMPT + cont)
+    eng = model.engine
+    state = eng.new_state()
+    got = [eng.logits(eng.prefill(state, np.array(PROMPT)))[0]]
+    got += [eng.decode_step(state, t) for t in cont]
+    np.testing.assert_allclose(np.array(got), ref[len(PROMPT) - 1 :], atol=LOGITS_ATOL, rtol=0)
+
+
 def test_chunked_prefill_keeps_rows_in_order(pair, monkeypatch):
     """``keep`` rows in any order, repeated, negative, in chunks that keep none of them."""
     _, model = pair

@@ -66,3 +66,53 @@ def test_bf16_projections_stay_half(tmp_path, gl):
     mats = [m for w in model.engine.graph.layers for m in w.matrices()]
     assert mats and all(isinstance(m, HalfMatrix) and m.w.dtype == BF16 for m in mats)
     assert all(isinstance(m.w, np.memmap) or isinstance(m.w.base, np.memmap) for m in mats)
+
+
+def _mapping_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+            mine = line.rstrip().endswith(str(path))
+        elif mine and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise / smaps are Linux's")
+@pytest.mark.parametrize("cls,dtype", [(HalfMatrix, BF16), (F32Matrix, np.float32)], ids=["half", "f32"])
+def test_rows_of_a_mapped_table_do_not_stay_resident(tmp_path, cls, dtype):
+    """Row lookups from a read-only file mapping (a checkpoint's PLE table) give the rows and
+    leave none of the table's pages mapped into the process (the kernel's fault-around had mapped
+    ~64 KiB around each row); an in-memory table is left as it is."""
+    rows, cols = 4096, 2048
+    w = np.random.default_rng(0).standard_normal((rows, cols)).astype(dtype)
+    path = tmp_path / "table.bin"
+    w.tofile(path)
+    m = cls(np.memmap(path, dtype=dtype, mode="r", shape=(rows, cols)))
+    ids = np.random.default_rng(1).integers(0, rows, 300)
+    np.testing.assert_array_equal(m.rows(ids), w[ids].astype(np.float32))
+    assert _mapping_rss_kib(path) < 64  # without dropping: >= 300 rows x 4-8 KiB
+    plain = cls(w.copy())
+    np.testing.assert_array_equal(plain.rows(ids), w[ids].astype(np.float32))
+    np.testing.assert_array_equal(plain.rows(ids), w[ids].astype(np.float32))  # its memory untouched
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise / smaps are Linux's")
+def test_rows_leave_the_rest_of_a_tied_table_resident(tmp_path):
+    """The same mapping as a product's weights (the tied LM head of a bf16 checkpoint used in
+    place): a lookup drops only its rows' windows, not the pages the product keeps reading.
+    (Where the page cache maps 2 MiB folios, a dropped window takes its whole 2 MiB mapping.)"""
+    rows, cols = 16384, 2048
+    w = np.random.default_rng(0).standard_normal((rows, cols)).astype(BF16)
+    path = tmp_path / "table.bin"
+    w.tofile(path)
+    m = HalfMatrix(np.memmap(path, dtype=BF16, mode="r", shape=(rows, cols)))
+    m.matmul(np.ones((1, cols), np.float32))  # maps every page
+    full = _mapping_rss_kib(path)
+    assert full >= rows * cols * 2 // 1024 * 0.9
+    np.testing.assert_array_equal(m.rows(np.array([7, 2000, -1])), w[[7, 2000, -1]].astype(np.float32))
+    assert full - _mapping_rss_kib(path) <= 3 * (2048 + 128)  # three windows (or their huge pages) at most
