@@ -43,9 +43,9 @@ FEW_ROWS = 4
 # Activation rows per weight load in the few-row decode kernels (int8, int4, GGML Q8_0/Q5_0): a tile of
 # weight rows x up to this many tokens; the tail takes a smaller tile.
 TOKEN_TILE = 4
-# Float products (float32 / half weights) of more rows, up to this many (a short query, a short
-# prompt), run numba tiles (`numba_ops.matmul_tiles`): at these sizes they beat BLAS on blocks
-# converted to float32 2-3x (measured 18 rows x 512-2048: ~100 vs ~40 GFLOP/s on two cores).
+# float32 products of more rows, up to this many (a short query, a short prompt), run numba
+# tiles (`numba_ops.matmul_tiles`) and make no BLAS call (measured 18 rows x 512-2048: ~100
+# GFLOP/s on two cores against ~40 for BLAS on half weights converted to float32 blocks).
 SHORT_ROWS = 64
 
 

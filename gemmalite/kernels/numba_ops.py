@@ -5,44 +5,26 @@ Compiled once and cached on disk (``cache=True``); parallel over output rows on 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
-from .common import bf2f, bits_to_f32, h2f, prefetch
+from .common import bits_to_f32, prefetch
 
 ROWS_PER_TASK = 64
 PREFETCH_STRIPS = 4  # matmul_tiles: 4-row strips ahead whose weights are prefetched
 
 
-def _weight(w, r, c, bf16):  # pragma: no cover - typed by the overload below
-    """``w[r, c]`` as float32: float32 as is, uint16 bits as bfloat16 (``bf16``) or float16."""
-
-
-@overload(_weight, inline="always")
-def _weight_impl(w, r, c, bf16):
-    if w.dtype == types.float32:
-        return lambda w, r, c, bf16: w[r, c]
-
-    def half(w, r, c, bf16):
-        if bf16:
-            return bf2f(w[r, c])
-        return h2f(w[r, c])
-
-    return half
-
-
 @njit(inline="always", fastmath=True, boundscheck=False)
-def _tile4x4(x, w, bf16, out, ra, rb, rc, rd, ta, tb, tc, td):  # pragma: no cover - compiled
+def _tile4x4(x, w, out, ra, rb, rc, rd, ta, tb, tc, td):  # pragma: no cover - compiled
     """Rows ``ra..rd`` x tokens ``ta..td`` of `matmul_tiles`: 16 accumulators per pass over c."""
     a00 = a01 = a02 = a03 = np.float32(0.0)
     a10 = a11 = a12 = a13 = np.float32(0.0)
     a20 = a21 = a22 = a23 = np.float32(0.0)
     a30 = a31 = a32 = a33 = np.float32(0.0)
     for c in range(w.shape[1]):
-        w0 = _weight(w, ra, c, bf16)
-        w1 = _weight(w, rb, c, bf16)
-        w2 = _weight(w, rc, c, bf16)
-        w3 = _weight(w, rd, c, bf16)
+        w0 = w[ra, c]
+        w1 = w[rb, c]
+        w2 = w[rc, c]
+        w3 = w[rd, c]
         x0 = x[ta, c]
         x1 = x[tb, c]
         x2 = x[tc, c]
@@ -70,17 +52,17 @@ def _tile4x4(x, w, bf16, out, ra, rb, rc, rd, ta, tb, tc, td):  # pragma: no cov
 
 
 @njit(inline="always", fastmath=True, boundscheck=False)
-def _tile4x3(x, w, bf16, out, ra, rb, rc, rd, ta, tb, tc):  # pragma: no cover - compiled
+def _tile4x3(x, w, out, ra, rb, rc, rd, ta, tb, tc):  # pragma: no cover - compiled
     """Rows ``ra..rd`` x tokens ``ta, tb, tc`` of `matmul_tiles`: 12 accumulators."""
     a00 = a01 = a02 = np.float32(0.0)
     a10 = a11 = a12 = np.float32(0.0)
     a20 = a21 = a22 = np.float32(0.0)
     a30 = a31 = a32 = np.float32(0.0)
     for c in range(w.shape[1]):
-        w0 = _weight(w, ra, c, bf16)
-        w1 = _weight(w, rb, c, bf16)
-        w2 = _weight(w, rc, c, bf16)
-        w3 = _weight(w, rd, c, bf16)
+        w0 = w[ra, c]
+        w1 = w[rb, c]
+        w2 = w[rc, c]
+        w3 = w[rd, c]
         x0 = x[ta, c]
         x1 = x[tb, c]
         x2 = x[tc, c]
@@ -103,10 +85,10 @@ def _tile4x3(x, w, bf16, out, ra, rb, rc, rd, ta, tb, tc):  # pragma: no cover -
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
-def matmul_tiles(x, w, bf16, out):  # pragma: no cover - compiled
+def matmul_tiles(x, w, out):  # pragma: no cover - compiled
     """out[t, r] = sum_c x[t, c] * w[r, c] for a short input (a query of a few dozen tokens):
-    tiles of 4 weight rows x 4 tokens (16 accumulators per pass over ``c``), so each weight
-    (float32, or half bits converted in registers) is loaded once per 4 tokens and each x
+    tiles of 4 weight rows x 4 tokens (16 accumulators per pass over ``c``), so each float32
+    weight is loaded once per 4 tokens and each x
     value once per 4 rows; a task is a 4-row strip against every token (x stays in L1/L2),
     the strip PREFETCH_STRIPS ahead prefetched. T not a multiple of 4 takes 1-3 tiles of 3
     tokens (T = 4a + 3b: 18 tokens = 3 x 4 + 2 x 3, 10 % faster than 5 x 4 with two wasted);
@@ -129,10 +111,10 @@ def matmul_tiles(x, w, bf16, out):  # pragma: no cover - compiled
         rd = min(ra + 3, R - 1)
         for i in range(fours):
             ta = max(min(4 * i, T - 4), 0)
-            _tile4x4(x, w, bf16, out, ra, rb, rc, rd, ta, min(ta + 1, T - 1), min(ta + 2, T - 1), min(ta + 3, T - 1))
+            _tile4x4(x, w, out, ra, rb, rc, rd, ta, min(ta + 1, T - 1), min(ta + 2, T - 1), min(ta + 3, T - 1))
         for i in range(threes):
             t0 = 4 * fours + 3 * i
-            _tile4x3(x, w, bf16, out, ra, rb, rc, rd, t0, t0 + 1, t0 + 2)
+            _tile4x3(x, w, out, ra, rb, rc, rd, t0, t0 + 1, t0 + 2)
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

@@ -210,7 +210,7 @@ class F32Matrix(Matrix):
             if x.shape[0] <= common.FEW_ROWS:
                 f32_matmul_small(x, self.w, out)
             else:
-                matmul_tiles(x, self.w, False, out)
+                matmul_tiles(x, self.w, out)
             return out
         return x @ self.w.T
 
