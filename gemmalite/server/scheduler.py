@@ -59,9 +59,10 @@ class Finish:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One generation request as the scheduler sees it."""
+    """One generation request as the scheduler sees it (compared by identity: two requests are
+    never the same one, however alike)."""
 
     ids: list[int]
     max_tokens: int
@@ -253,20 +254,22 @@ class Scheduler:
         """For each plain-token request, the running sequence or earlier new request whose tokens
         it shares most (at least SHARE_MIN beyond its cached prefix): it becomes ``seq.donor``.
         Returns the requests that got one, in order."""
+        # (a sequence, the tokens its state holds or will hold once prefilled)
+        donors = [(s, s.state.tokens) for s in self.active if s.soft is None and s.state is not None]
         later: list[Sequence] = []
-        for i, seq in enumerate(seqs):
+        for seq in seqs:
             if seq.soft is not None:
                 continue
             best, share = None, seq.cached + SHARE_MIN - 1
-            for other in self.active + [s for s in seqs[:i] if s not in later]:
-                if other.soft is not None or other.state is None:
-                    continue
-                n = common_prefix(other.state.tokens if other in self.active else other.ids, seq.ids)
+            for other, tokens in donors:
+                n = common_prefix(tokens, seq.ids)
                 if n > share:
                     best, share = other, n
             if best is not None:
                 seq.donor, seq.share = best, share
                 later.append(seq)
+            else:
+                donors.append((seq, seq.ids))
         return later
 
     def _copy_prefix(self, seq: Sequence) -> bool:
