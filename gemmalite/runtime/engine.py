@@ -118,7 +118,7 @@ class Engine:
         return np.concatenate(parts)[np.searchsorted(rows, want)]
 
     def _forward(self, state: KVState, ids: np.ndarray, keep: np.ndarray | None, capture: list | None,
-                 soft: SoftTokens | None, each: bool = False) -> np.ndarray:
+                 soft: SoftTokens | None) -> np.ndarray:
         look = ids
         if soft is not None:
             look = ids.copy()
@@ -128,7 +128,7 @@ class Engine:
             if soft is not None:
                 x0[soft.rows] = soft.vectors
             ple = self.ple_table.rows(look) * self.ple_scale if self.ple_table is not None else None
-            h = self.graph.forward(state, x0, ple, keep=keep, capture=capture, each=each)
+            h = self.graph.forward(state, x0, ple, keep=keep, capture=capture)
         state.tokens.extend(soft.keyed(ids) if soft is not None else (int(i) for i in ids))
         return h
 
@@ -182,21 +182,24 @@ class Engine:
         return self.logits(self.forward(state, np.array([token], dtype=np.int64)))[0]
 
     def decode_rows(self, state: KVState, tokens) -> np.ndarray:
-        """Append a few tokens to ``state`` in one step (weights read once): logits ``[T, vocab]``,
-        row ``i`` exactly what ``decode_step`` gives after ``tokens[:i]`` (prompt-lookup verification:
-        every product row is computed as in a one-token step)."""
-        h = self._forward(state, np.asarray(tokens, dtype=np.int64), None, None, None, each=True)
-        return self.logits(h, each=True)
+        """Append a few tokens (at most FEW_ROWS) to ``state`` in one step (weights read once):
+        logits ``[T, vocab]``, row ``i`` exactly what ``decode_step`` gives after ``tokens[:i]``
+        (prompt-lookup verification: every product row is computed as in a one-token step)."""
+        return self.decode_batch([state], [tokens])
 
     def decode_batch(self, states: list[KVState], tokens) -> np.ndarray:
-        """One token for each of B sequences in one pass over the weights: logits ``[B, vocab]``,
-        row ``b`` exactly ``decode_step(states[b], tokens[b])``'s (continuous batching)."""
-        ids = np.asarray(tokens, dtype=np.int64)
+        """One step for B sequences in one pass over the weights (continuous batching):
+        ``tokens[b]`` is a token, or a short list of them (the current token and prompt-lookup
+        drafts, at most FEW_ROWS). Returns logits ``[R, vocab]``, one row per token in order:
+        a single token's row is exactly ``decode_step(states[b], tokens[b])``'s, a list's rows
+        exactly ``decode_rows(states[b], tokens[b])``'s."""
+        runs = [np.asarray(t, dtype=np.int64).reshape(-1) for t in tokens]
+        ids = np.concatenate(runs) if runs else np.zeros(0, np.int64)
         with compute(self.threads):
             x0 = self.embed.rows(ids) * self.embed_scale
             ple = self.ple_table.rows(ids) * self.ple_scale if self.ple_table is not None else None
-            h = self.graph.forward_batch(states, x0, ple)
+            h = self.graph.forward_batch(states, x0, ple, [len(r) for r in runs])
             logits = softcap(self.lm_head.matmul_each(h), self.softcap)
-        for state, i in zip(states, ids):
-            state.tokens.append(int(i))
+        for state, r in zip(states, runs):
+            state.tokens.extend(int(i) for i in r)
         return logits

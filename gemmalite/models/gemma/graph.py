@@ -87,7 +87,6 @@ class DecoderGraph:
         ple_rows: np.ndarray | None,
         keep: np.ndarray | None = None,
         capture: list[np.ndarray] | None = None,
-        each: bool = False,
     ) -> np.ndarray:
         """Run positions ``state.length ..`` through all layers, appending their K/V to ``state``.
 
@@ -95,8 +94,6 @@ class DecoderGraph:
         (None without PLE); ``keep`` the row indices whose outputs are wanted (default all):
         KV-shared layers run only for those rows, since no other layer reads their output.
         ``capture`` (debugging) receives the input and each layer's output, all rows.
-        ``each``: every product row computed exactly as in a one-token step (`Matrix.matmul_each`:
-        a prompt-lookup step verifies drafts with the numbers plain decoding would give).
         Returns final-normed hidden states ``[len(keep), H]``.
         """
         T = x0.shape[0]
@@ -104,24 +101,32 @@ class DecoderGraph:
         _check_room(state, T)
         rows = np.arange(T) if keep is None else np.asarray(keep, dtype=np.int64)
         h = self._run([_Group(state, slice(None), start)], x0, ple_rows, np.arange(start, start + T), rows,
-                      capture, each)
+                      capture, False)
         state.length = start + T
         return h
 
-    def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray:
-        """One new token for each of B sequences (``x0`` ``[B, H]``, ``ple_rows`` ``[B, L*P]``).
+    def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None,
+                      counts: list[int] | None = None) -> np.ndarray:
+        """New tokens of B sequences in one decode step: ``counts[b]`` rows each (default one; more
+        for a prompt-lookup step's drafts, at most FEW_ROWS), concatenated in ``x0`` ``[R, H]``
+        and ``ple_rows`` ``[R, L*P]``.
 
-        The projections run on the ``[B, ·]`` stack with `Matrix.matmul_each`, so each weight is
-        read once for the batch while row ``b`` gets exactly the numbers ``forward(states[b],
-        x0[b:b+1], ...)`` gives; attention and K/V writes are per sequence. Returns ``[B, H]``.
-        """
-        for s in states:
-            _check_room(s, 1)
-        pos = np.array([s.length for s in states], dtype=np.int64)
-        groups = [_Group(s, slice(b, b + 1), s.length) for b, s in enumerate(states)]
+        The projections run on the ``[R, ·]`` stack with `Matrix.matmul_each`, so each weight is
+        read once for the batch while every row gets exactly the numbers of a one-token step
+        (sequence ``b``'s rows are bit for bit ``forward(states[b], its rows, each=True)``'s);
+        attention and K/V writes are per sequence. Returns ``[R, H]``: every row, since a
+        verification step needs the logits of each."""
+        counts = [1] * len(states) if counts is None else [int(n) for n in counts]
+        for s, n in zip(states, counts):
+            if not 1 <= n <= common.FEW_ROWS:
+                raise ValueError(f"a batched decode step takes 1 to {common.FEW_ROWS} tokens per sequence, got {n}")
+            _check_room(s, n)
+        ends = np.cumsum(counts)
+        pos = np.concatenate([np.arange(s.length, s.length + n) for s, n in zip(states, counts)])
+        groups = [_Group(s, slice(int(e - n), int(e)), s.length) for s, n, e in zip(states, counts, ends)]
         h = self._run(groups, x0, ple_rows, pos, None, None, True)
-        for s in states:
-            s.length += 1
+        for s, n in zip(states, counts):
+            s.length += n
         return h
 
     def forward_many(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None,
