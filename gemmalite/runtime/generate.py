@@ -153,7 +153,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
             stats.new_tokens += 1
             yield tok
             history.append(tok)
-            if stats.new_tokens == max_new_tokens or state.length >= engine.context:
+            if stats.new_tokens == max_new_tokens or state.length - len(drafts) + i >= engine.context:  # (rows kept so far)
                 stats.finish_reason = "length"
                 return
             if i == len(drafts) or tok != drafts[i]:
@@ -183,20 +183,24 @@ def prompt_lookup_drafts(v) -> int:
     return inputs.integer(v, "prompt_lookup", 0)
 
 
-def lookup_drafts(history: list[int], k: int, ngrams: tuple[int, ...] = (3, 2, 1)) -> list[int]:
+def lookup_drafts(history: list[int], k: int, ngrams: tuple[int, ...] = (3, 2, 1),
+                  source: list[int] | None = None) -> list[int]:
     """Up to ``k`` draft tokens: those that followed the latest earlier occurrence of the last
-    n-gram of ``history`` (the longest n of ``ngrams`` that occurs), [] when none does."""
+    n-gram of ``history`` (the longest n of ``ngrams`` that occurs), [] when none does.
+    ``source`` (a predicted reply's tokens) is searched too, after ``history`` for each n."""
     h = np.asarray(history, dtype=np.int64)
+    src = np.asarray(source if source is not None else [], dtype=np.int64)
     for n in ngrams:
-        if len(h) <= n:
+        if len(h) < n:
             continue
         tail = h[-n:]
-        starts = np.flatnonzero(h[: len(h) - n] == tail[0])  # earlier starts (not the tail itself)
-        for j in range(1, n):
-            starts = starts[h[starts + j] == tail[j]]
-        if starts.size:
-            s = int(starts[-1]) + n
-            return h[s : s + k].tolist()
+        for text, end in ((h, len(h) - n), (src, len(src) - n)):  # earlier starts only (not the tail itself)
+            starts = np.flatnonzero(text[: max(end, 0)] == tail[0])
+            for j in range(1, n):
+                starts = starts[text[starts + j] == tail[j]]
+            if starts.size:
+                s = int(starts[-1]) + n
+                return text[s : s + k].tolist()
     return []
 
 

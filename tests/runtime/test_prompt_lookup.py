@@ -46,6 +46,21 @@ def test_greedy_reply_up_to_the_context_end(model):
     assert list(s) == plain and s.stats.draft_tokens > 0 and s.stats.new_tokens == 80 - len(PROMPT)
 
 
+def test_reply_cut_by_the_context_like_plain_decoding(tmp_path, gl):
+    """A reply that runs into the end of the context (max_new_tokens beyond it) ends where plain
+    decoding's does: a step's later rows still fit when its first ones are kept (it once ended up
+    to three tokens early, judging by the length of the state with the drafts in it)."""
+    H.make_gemma4_checkpoint(tmp_path, tokenizer=True, **CONFIG)
+    drafted = 0
+    for ctx in range(42, 50):
+        m = gl.load(tmp_path, context=ctx)
+        plain = m.generate_tokens(PROMPT, max_new_tokens=200, temperature=0.0)
+        s = m.generate_tokens(PROMPT, max_new_tokens=200, temperature=0.0, stream=True, prompt_lookup=3)
+        assert list(s) == plain and len(plain) == ctx - len(PROMPT) + 1, ctx  # the last one never runs
+        drafted += s.stats.draft_tokens
+    assert drafted > 0
+
+
 def test_stops_and_chat_sessions_match(model):
     plain = model.generate_tokens(PROMPT, max_new_tokens=30, temperature=0.0)
     stop = plain[9]
