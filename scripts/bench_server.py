@@ -17,6 +17,11 @@ decode tokens/s (the tokens after each stream's first, over the time from the fi
 first token to the last stream's end), p50 / p99 time to first token, and the speed-up over
 one stream. Solo prefill: the median time to first token of one request alone (max_tokens 1).
 llama-server runs with ``--parallel`` = the largest level and continuous batching on.
+
+``--task summarise|edit``: the input-grounded chat prompts of `bench_prompt_lookup.py` instead,
+sent as chat completions that end at the model's end of turn (greedy, so every run gives the
+same text). ``--prompt-lookup``: the gemmalite server is measured twice, with and without
+``prompt_lookup`` in the requests (one server, the two alternating like two servers).
 """
 from __future__ import annotations
 
@@ -59,21 +64,32 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise SystemExit("server did not become ready")
 
 
-def prompt_for(i: int, distinct: bool) -> str:
+def prompt_for(i: int, distinct: bool, task: str | None = None) -> str:
     """The prompt of stream ``i``: all the same, or each opening with its own words (so that no
     server can share a prefill between streams)."""
+    if task:
+        from bench_prompt_lookup import PROMPTS
+
+        return (f"Document {i + 1}. " if distinct else "") + PROMPTS[task]
     return f"Story {i + 1}, in your own words. " + PROMPT if distinct else PROMPT
 
 
-def one_stream(client, model: str, max_tokens: int, t_start: float, prompt: str = PROMPT) -> dict:
+def one_stream(client, model: str, max_tokens: int, t_start: float, prompt: str = PROMPT, chat: bool = False,
+               extra: dict | None = None) -> dict:
+    """One streamed request: a completion of ``prompt`` (through end of sequence), or with ``chat``
+    a chat turn that ends at the model's end of turn."""
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body=NO_CACHE)
+    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+    if chat:
+        stream = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common,
+                                                extra_body={"cache_prompt": False, **(extra or {})})
+    else:
+        stream = client.completions.create(prompt=prompt, **common, extra_body={**NO_CACHE, **(extra or {})})
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices and (chunk.choices[0].delta.content if chat else chunk.choices[0].text):
             chunks += 1
             if first is None:
                 first = time.perf_counter()
@@ -83,28 +99,31 @@ def one_stream(client, model: str, max_tokens: int, t_start: float, prompt: str 
             "tokens": tokens}
 
 
-def run_level(client, model: str, n: int, max_tokens: int, distinct: bool = False) -> dict:
+def run_level(t: "Target", n: int, max_tokens: int, distinct: bool = False, task: str | None = None) -> dict:
     t_start = time.perf_counter()
     with ThreadPoolExecutor(n) as ex:
-        res = list(ex.map(lambda i: one_stream(client, model, max_tokens, t_start, prompt_for(i, distinct)), range(n)))
+        res = list(ex.map(lambda i: one_stream(t.client, t.model, max_tokens, t_start, prompt_for(i, distinct, task),
+                                               chat=task is not None, extra=t.extra), range(n)))
     decode_tokens = sum(max(0, r["tokens"] - 1) for r in res)
     span = max(r["end_at"] for r in res) - min(r["first_at"] for r in res)
     ttft = np.array([r["ttft"] for r in res])
     return {"streams": n, "tokens_per_s": decode_tokens / span if span > 0 else 0.0,
+            "tokens_per_stream": float(np.mean([r["tokens"] for r in res])),
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
 
 
-def solo_prefill(client, model: str, repeats: int = 3) -> float:
-    return float(np.median([one_stream(client, model, 1, time.perf_counter())["ttft"] for _ in range(repeats)]))
+def solo_prefill(t: "Target", task: str | None = None, repeats: int = 3) -> float:
+    return float(np.median([one_stream(t.client, t.model, 1, time.perf_counter(), prompt_for(0, False, task),
+                                       chat=task is not None, extra=t.extra)["ttft"] for _ in range(repeats)]))
 
 
 class Target:
     """One server: started here (or already running at ``url``), and its openai client."""
 
-    def __init__(self, name: str, cmd: list[str] | None, url: str, model: str | None):
+    def __init__(self, name: str, cmd: list[str] | None, url: str, model: str | None, extra: dict | None = None):
         import openai
 
-        self.name, self.url = name, url
+        self.name, self.url, self.extra = name, url, extra
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if cmd else None
         self.client = openai.OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0,
                                     timeout=3600)
@@ -132,6 +151,8 @@ def targets(a, levels: list[int]) -> list[Target]:
         cmd = [sys.executable, "-m", "gemmalite.cli", "serve", a.gemmalite, "--port", str(port), "--context",
                str(a.context), "--max-concurrency", str(max(levels)), "--prefix-cache", "0", "--threads", str(a.threads)]
         out.append(Target("gemmalite", cmd, f"http://127.0.0.1:{port}/v1", a.model))
+        if a.prompt_lookup:  # the same server, its requests asking for prompt lookup
+            out.append(Target("gemmalite+lookup", None, out[-1].url, a.model, {"prompt_lookup": True}))
     if a.llama_server:
         port, n = free_port(), max(levels)  # llama-server splits its context over the slots
         cmd = [a.llama_server, "-m", a.gguf, "--port", str(port), "--parallel", str(n), "--cont-batching",
@@ -158,6 +179,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--distinct", action="store_true",
                     help="each stream's prompt opens with its own words (no prefill to share between streams)")
+    ap.add_argument("--task", choices=["summarise", "edit"], default=None,
+                    help="an input-grounded chat prompt (bench_prompt_lookup.py's), ending at the end of turn")
+    ap.add_argument("--prompt-lookup", action="store_true",
+                    help="also measure the gemmalite server with prompt_lookup in its requests")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if not (a.gemmalite or a.llama_server or a.url):
@@ -172,20 +197,20 @@ def main(argv=None) -> int:
         for t in ts:
             t.ready()
         for t in ts:  # warm-up: kernel compilation, first-touch of the weights, every batch width
-            run_level(t.client, t.model, 1, 4)
-            run_level(t.client, t.model, max(levels), 4)
+            run_level(t, 1, 4, task=a.task)
+            run_level(t, max(levels), 4, task=a.task)
         runs: dict[str, list[list[dict]]] = {t.name: [[] for _ in levels] for t in ts}
         for rnd in range(a.rounds):
             for i, n in enumerate(levels):
                 for t in (ts if (i + rnd) % 2 == 0 else ts[::-1]):
-                    row = run_level(t.client, t.model, n, a.max_tokens, a.distinct)
+                    row = run_level(t, n, a.max_tokens, a.distinct, a.task)
                     runs[t.name][i].append(row)
                     print(f"[{t.name}] round {rnd + 1} {json.dumps(row)}", file=sys.stderr)
         for name, per_level in runs.items():  # each figure: the median over the rounds
             results[name]["rows"] = [{k: float(np.median([r[k] for r in rows])) if k != "streams" else rows[0][k]
                                       for k in rows[0]} for rows in per_level]
         for t in (ts[::-1] if len(levels) % 2 else ts):
-            results[t.name]["solo_prefill_s"] = solo_prefill(t.client, t.model)
+            results[t.name]["solo_prefill_s"] = solo_prefill(t, a.task)
     finally:
         for t in ts:
             t.close()
@@ -195,7 +220,7 @@ def main(argv=None) -> int:
             row["speedup"] = row["tokens_per_s"] / base
             row["ttft_p99_over_solo_prefill"] = row["ttft_p99_s"] / r["solo_prefill_s"]
     if a.json:
-        print(json.dumps({"prompt": PROMPT, "distinct": a.distinct, "max_tokens": a.max_tokens, "threads": a.threads, "servers": results},
+        print(json.dumps({"prompt": prompt_for(0, False, a.task), "distinct": a.distinct, "max_tokens": a.max_tokens, "threads": a.threads, "servers": results},
                          indent=2))
         return 0
     print(f"{'server':<14} {'streams':>7} {'tok/s':>8} {'x1':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'p99/solo':>8}")

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..runtime.engine import SoftTokens
-from ..runtime.generate import stop_sets
+from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
 from .metrics import Metrics
 from .protocol import (APIError, Generation, Limits, bad, chat_messages, completion_prompt, embedding_inputs,
@@ -45,7 +45,7 @@ class Server:
 
     def __init__(self, model, embedder=None, *, model_id: str = "gemmalite", embedder_id: str | None = None,
                  api_key: str | None = None, max_concurrency: int = 8, max_queue: int = 64, prefix_cache: int = 4,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, prompt_lookup: int | bool = 0):
         self.model = model
         self.tokenizer = model.tokenizer  # a server needs text: fail at start-up, not per request
         self.embedder = embedder
@@ -54,6 +54,7 @@ class Server:
         self.api_key = api_key.encode() if api_key else None
         self.limits = limits or Limits()
         self.context = model.context
+        self.prompt_lookup = prompt_lookup_drafts(prompt_lookup)  # for requests that do not say (0: plain decoding)
         self.metrics = Metrics()
         self.scheduler = Scheduler(model.engine, self.tokenizer, max_concurrency=max_concurrency,
                                    max_queue=max_queue, prefix_cache=prefix_cache, metrics=self.metrics)
@@ -111,7 +112,13 @@ class Server:
         return Route(path, endpoint, methods=methods)
 
     # -- generation ---------------------------------------------------------------------
-    def _prepare(self, ids: list[int], gen: Generation, chat: bool, soft: SoftTokens | None = None) -> Sequence:
+    async def _prediction_ids(self, gen: Generation) -> list[int]:
+        if not gen.prediction:
+            return []
+        return list(await run_in_threadpool(self.tokenizer.encode, gen.prediction, add_special_tokens=False))
+
+    def _prepare(self, ids: list[int], gen: Generation, chat: bool, soft: SoftTokens | None = None,
+                 prediction: list[int] | None = None) -> Sequence:
         n, ctx = len(ids), self.context
         if n >= ctx:
             raise bad(f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens",
@@ -127,8 +134,12 @@ class Server:
             stop_ids = set() if gen.ignore_eos else stop_ids
         except ValueError as e:
             raise bad(str(e)) from None
+        lookup = gen.prompt_lookup
+        if lookup is None:  # a prediction asks for drafting from it
+            lookup = PROMPT_LOOKUP_DRAFTS if gen.prediction else self.prompt_lookup
         return Sequence(ids=list(ids), max_tokens=max_tokens, params=params, stop_ids=stop_ids,
-                        stop_strings=stop_strings, sink=lambda ev: None, soft=soft)
+                        stop_strings=stop_strings, sink=lambda ev: None, soft=soft, lookup=lookup,
+                        prediction=prediction or [])
 
     async def _run(self, request: Request, seq: Sequence, gen: Generation, chunk: Callable[..., dict],
                    final: Callable[[str, Finish], dict]) -> Response:
@@ -215,7 +226,7 @@ class Server:
             except ValueError as e:  # ImageError: not a picture, corrupt, too many pixels, placeholders
                 raise bad(str(e), "messages", "invalid_image") from None
             ids = arr.tolist()
-        seq = self._prepare(ids, gen, chat=True, soft=soft)
+        seq = self._prepare(ids, gen, chat=True, soft=soft, prediction=await self._prediction_ids(gen))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
 
@@ -239,7 +250,7 @@ class Server:
         gen = generation(body, self.limits)
         prompt = completion_prompt(body, self.model.config.vocab_size)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self.tokenizer.encode, prompt)
-        seq = self._prepare(ids, gen, chat=False)
+        seq = self._prepare(ids, gen, chat=False, prediction=await self._prediction_ids(gen))
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_id,
                 "object": "text_completion", "system_fingerprint": None}
 
@@ -316,7 +327,9 @@ class Server:
 def _usage(ev: Finish) -> dict:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": ev.accepted,
+                                          "rejected_prediction_tokens": ev.drafted - ev.accepted}}
 
 
 def build_app(model, embedder=None, **options: Any) -> Starlette:

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime.generate import PROMPT_LOOKUP_DRAFTS
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
@@ -102,6 +104,8 @@ class Generation:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # llama.cpp's extension: generate through end-of-sequence tokens (benchmarks)
     sampling: dict[str, Any] = field(default_factory=dict)  # Model._params keywords
+    prompt_lookup: int | None = None  # extension: prompt-lookup drafts per step (None: the server's default)
+    prediction: str | None = None  # OpenAI's Predicted Outputs: text the reply is expected to repeat
 
 
 UNSUPPORTED_GEN = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
@@ -133,7 +137,35 @@ def generation(body: dict, limits: Limits) -> Generation:
                     seed=opt_int(body, "seed", -(2**63), 2**64 - 1))
     if sampling["seed"] is not None and sampling["seed"] < 0:
         sampling["seed"] = sampling["seed"] % 2**64  # numpy seeds are non-negative
-    return Generation(mt, stream, include_usage, stop, bool(opt_bool(body, "ignore_eos")), sampling)
+    return Generation(mt, stream, include_usage, stop, bool(opt_bool(body, "ignore_eos")), sampling,
+                      prompt_lookup(body), prediction_text(body))
+
+
+def prompt_lookup(body: dict) -> int | None:
+    """``prompt_lookup``: true (the default draft count), false, or a count of drafts per step."""
+    v = body.get("prompt_lookup")
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return PROMPT_LOOKUP_DRAFTS if v else 0
+    if not _is_int(v) or v < 0:
+        raise bad(f"'prompt_lookup' must be a boolean or an integer >= 0, got {v!r}", "prompt_lookup")
+    return v
+
+
+def prediction_text(body: dict) -> str | None:
+    """OpenAI's ``prediction``: ``{"type": "content", "content": text or [{"type": "text", "text": ...}]}``."""
+    p = body.get("prediction")
+    if p is None:
+        return None
+    content = p.get("content") if isinstance(p, dict) and p.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                                         for c in content):
+        content = "".join(c["text"] for c in content)
+    if not isinstance(content, str):
+        raise bad("'prediction' must be {\"type\": \"content\", \"content\": a string or a list of text parts}",
+                  "prediction")
+    return content
 
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}

@@ -15,6 +15,11 @@ the rest; the same prompt again takes the other's first logits as well, so a bur
 prompt costs one prefill. An idle scheduler woken by a request waits a few milliseconds while
 more arrive (`_gather`), so that clients who start together start in one prefill.
 
+A sequence may decode by prompt lookup (``lookup`` drafts per step, from the n-grams of its
+prompt and reply and of a predicted reply): its drafts join the batched step as extra rows,
+each computed as a one-token step would be, and the tokens kept are exactly plain decoding's
+(as in `generate_ids`); drafts stop where a step would exceed STEP_ROWS rows.
+
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
 `Model.generate`) are applied here, so a stop string ends the sequence at once.
@@ -29,8 +34,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..kernels.common import FEW_ROWS
 from ..runtime.engine import SoftTokens
-from ..runtime.generate import TextCutter, common_prefix
+from ..runtime.generate import TextCutter, common_prefix, lookup_drafts
 from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
 
@@ -39,6 +45,9 @@ GATHER_S = 0.005  # an idle scheduler woken by a request waits this long for mor
 GATHER_MAX = 0.03  # up to this long: a burst of clients then starts in one prefill, not the first one alone
 SHARE_MIN = 16  # prompt tokens another request must share with a new one to copy its state (a
 # shorter match, such as the chat template's first tokens, is cheaper to recompute in the batch)
+STEP_ROWS = 8  # prompt-lookup drafts stop where a decode step would exceed this many rows: a rejected
+# draft's row costs the whole batch once a step is bound by multiply-adds (from ~4 rows on). Through
+# the server on Gemma 3 270M (BENCHMARKS.md), 16 made 4 streams slower than plain decoding; 8 did not
 
 
 class Overloaded(RuntimeError):
@@ -57,6 +66,8 @@ class Finish:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    drafted: int = 0  # prompt-lookup draft tokens run, and how many of them were kept
+    accepted: int = 0
 
 
 @dataclass(eq=False)
@@ -72,6 +83,8 @@ class Sequence:
     sink: Callable[[Any], None]
     cancelled: bool = False
     soft: SoftTokens | None = None  # rows of ``ids`` given as embeddings (pictures)
+    lookup: int = 0  # prompt-lookup drafts per step (0: plain decoding; at most FEW_ROWS - 1 are used)
+    prediction: list[int] = field(default_factory=list)  # a predicted reply's tokens: more text to draft from
     # filled in by the scheduler
     state: Any = None
     sampler: Sampler | None = None
@@ -84,6 +97,8 @@ class Sequence:
     first_logits: np.ndarray | None = None  # after the prompt (a request with the same prompt takes them)
     donor: "Sequence | None" = None  # whose state this one copies (its first ``share`` tokens)
     share: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def cancel(self) -> None:
         """Called from any thread; the scheduler frees the sequence at its next step."""
@@ -135,6 +150,7 @@ class Scheduler:
         self._stop = False
         self._start_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="gemmalite-scheduler", daemon=True)
+        self._turn = 0  # the sequence whose drafts come first in the next step (they take turns)
 
     # -- any thread -------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -343,20 +359,60 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch = list(self.active)
+        runs = self._runs(batch)
         t0 = time.perf_counter()
-        logits = self.engine.decode_batch([s.state for s in batch], [s.next_token for s in batch])
+        logits = self.engine.decode_batch([s.state for s in batch], runs)
         self.metrics.inc("gemmalite_decode_steps_total")
         self.metrics.inc("gemmalite_decode_step_sequences_total", len(batch))
         self.metrics.inc("gemmalite_decode_seconds_total", time.perf_counter() - t0)
-        for seq, row in zip(batch, logits):
-            self._accept(seq, row)
+        r = 0
+        for seq, run in zip(batch, runs):
+            self._accept_run(seq, logits[r : r + len(run)], run[1:])
+            r += len(run)
 
-    def _accept(self, seq: Sequence, logits: np.ndarray) -> None:
-        """Sample the next token from ``logits``; emit its text or finish the sequence."""
+    def _runs(self, batch: list[Sequence]) -> list[list[int]]:
+        """Each sequence's tokens for the next step: its next token, then its prompt-lookup drafts
+        while the step stays within STEP_ROWS rows (a different sequence's drafts first each step).
+        The drafts fit the sequence's remaining tokens and context, as in `generate_ids`."""
+        runs = [[s.next_token] for s in batch]
+        room = STEP_ROWS - len(batch)
+        self._turn = (self._turn + 1) % max(1, len(batch))
+        for i in range(len(batch)):
+            b = (self._turn + i) % len(batch)
+            seq = batch[b]
+            k = min(seq.lookup, FEW_ROWS - 1, room, seq.max_tokens - seq.generated - 1,
+                    seq.state.context - seq.state.length - 1)
+            if k > 0:
+                drafts = lookup_drafts(seq.history, k, source=seq.prediction)
+                runs[b] += drafts
+                room -= len(drafts)
+        return runs
+
+    def _accept_run(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> None:
+        """Sample ``seq``'s tokens from its rows of a step: the first, then each next one while the
+        token sampled equals the draft that row was fed (plain decoding would have fed it the
+        same token); the KV entries of the rejected drafts are dropped."""
+        kept = seq.state.length - len(drafts)  # the state's length with the first row's token only
+        seq.drafted += len(drafts)
+        self.metrics.inc("gemmalite_draft_tokens_total", len(drafts))
+        for i, row in enumerate(rows):
+            if not self._accept(seq, row, kept + i):
+                return
+            if i == len(drafts) or seq.next_token != drafts[i]:
+                break
+            seq.accepted += 1
+            self.metrics.inc("gemmalite_accepted_draft_tokens_total")
+        if drafts and not seq.state.truncate(kept + i):
+            raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
+
+    def _accept(self, seq: Sequence, logits: np.ndarray, length: int | None = None) -> bool:
+        """Sample the next token from ``logits``; emit its text or finish the sequence. ``length``:
+        the tokens the state holds before this one (default all: no drafts after it). False when
+        the sequence is done."""
         tok = seq.sampler(logits, seq.history)
         if tok in seq.stop_ids:
             self._finish(seq, "stop")
-            return
+            return False
         seq.generated += 1
         self.metrics.inc("gemmalite_completion_tokens_total")
         seq.history.append(tok)
@@ -365,10 +421,12 @@ class Scheduler:
             self._emit(seq, Piece(text))
         if seq.cutter.stopped:
             self._finish(seq, "stop")
-        elif seq.generated >= seq.max_tokens or seq.state.length >= seq.state.context:
+        elif seq.generated >= seq.max_tokens or (seq.state.length if length is None else length) >= seq.state.context:
             self._finish(seq, "length")
         else:
             seq.next_token = tok
+            return True
+        return False
 
     def _emit(self, seq: Sequence, event: Any) -> None:
         try:
@@ -387,4 +445,4 @@ class Scheduler:
             self.cache.put(seq.state)
         seq.state = seq.first_logits = None
         self.metrics.inc("gemmalite_finished_total", labels={"reason": reason})
-        self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error))
+        self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error, seq.drafted, seq.accepted))

@@ -51,10 +51,13 @@ class CountingEngine:
     def decode_batch(self, states, tokens):
         time.sleep(self.step_s)
         self.batches.append(len(states))
-        for s, t in zip(states, tokens):
-            s.length += 1
-            s.tokens.append(int(t))
-        return self.logits(np.array([[float(t)] for t in tokens]))
+        rows = []
+        for s, t in zip(states, tokens):  # a token, or a run of them (prompt-lookup drafts)
+            run = [int(i) for i in np.asarray(t).reshape(-1)]
+            s.length += len(run)
+            s.tokens.extend(run)
+            rows += run
+        return self.logits(np.array([[float(t)] for t in rows]))
 
 
 def _seq(ids, max_tokens, events, stop_ids=(), stops=()):

@@ -99,6 +99,30 @@ def test_completions_equal_model(live, refs):
     assert r.usage.prompt_tokens == 4
 
 
+def test_prompt_lookup_and_predictions_keep_the_text(live, refs):
+    """``prompt_lookup`` and OpenAI's ``prediction`` only change how fast the reply comes: the same
+    text as plain decoding (greedy and seeded sampling), with the drafts counted in the usage. A
+    prediction of the reply itself is mostly accepted."""
+    c = live.client()
+    p = PROMPTS[2]
+    for kw, want in ((dict(temperature=0), refs[("gen", p)]),
+                     (dict(temperature=0.9, top_p=0.9, seed=2), refs[("sample", p)])):
+        d0, a0 = live.metric("gemmalite_draft_tokens_total"), live.metric("gemmalite_accepted_draft_tokens_total")
+        r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, extra_body={"prompt_lookup": True}, **kw)
+        assert r.choices[0].text == want
+        r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10,
+                                 extra_body={"prediction": {"type": "content", "content": want}}, **kw)
+        assert r.choices[0].text == want
+        details = r.usage.completion_tokens_details
+        drafted = live.metric("gemmalite_draft_tokens_total") - d0
+        accepted = live.metric("gemmalite_accepted_draft_tokens_total") - a0
+        assert details.accepted_prediction_tokens > 0 and details.accepted_prediction_tokens <= accepted <= drafted
+    s = c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": p}], max_tokens=10,
+                                  temperature=0, stream=True, prediction={"type": "content", "content": [
+                                      {"type": "text", "text": refs[("chat", p)]}]})
+    assert stream_text(s)[0] == refs[("chat", p)]
+
+
 def test_prefix_reuse(live, model):
     """A prompt that extends a finished one (its prompt + reply + more) runs only the new tokens.
     Token ids keep the test exact: the tiny model's 16-token sliding window allows no rollback,
@@ -191,6 +215,10 @@ BAD = [  # (path, body, status)
     ("/v1/completions", {"model": MODEL_ID, "prompt": 42}, 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 255}, 400),  # context 256
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "logprobs": 3}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prompt_lookup": -1}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prompt_lookup": "yes"}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prediction": "text"}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prediction": {"type": "content", "content": 5}}, 400),
     ("/v1/embeddings", {"model": EMB_ID, "input": 7}, 400),
     ("/v1/embeddings", {"model": EMB_ID, "input": []}, 400),
     ("/v1/embeddings", {"model": EMB_ID, "input": ["x"] * 300}, 400),

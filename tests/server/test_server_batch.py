@@ -126,6 +126,92 @@ def test_decode_batch_context_full(gl, tiny_dir):
 
 
 
+def test_decode_batch_with_drafts_equals_decode_rows(model):
+    """A batched step whose sequences bring 1 to 4 tokens (the current one and prompt-lookup
+    drafts) gives each the logits of its own step: ``decode_step`` for one token, ``decode_rows``
+    (each row a one-token step) for several; too many tokens are refused before anything runs."""
+    eng = model.engine
+    vocab = model.config.vocab_size
+    prompts = [random_ids(n, vocab, seed=30 + n) for n in (5, 18, 2, 9)]
+    solo, batch = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for p, a, b in zip(prompts, solo, batch):
+        eng.prefill(a, np.array(p))
+        eng.prefill(b, np.array(p))
+    rng = np.random.default_rng(1)
+    for step in range(2):
+        runs = [int(rng.integers(5, vocab))] + [[int(t) for t in rng.integers(5, vocab, size=n)] for n in (4, 2, 3)]
+        want = np.concatenate([eng.decode_step(s, r)[None] if isinstance(r, int) else eng.decode_rows(s, r)
+                               for s, r in zip(solo, runs)])
+        got = eng.decode_batch(batch, runs)
+        assert got.shape == (10, vocab)
+        np.testing.assert_array_equal(got, want)
+    for a, b in zip(solo, batch):
+        assert a.tokens == b.tokens and a.length == b.length
+    with pytest.raises(ValueError, match="1 to 4 tokens"):
+        eng.decode_batch(batch, [5, [5] * 5])
+    assert [b.length for b in batch] == [a.length for a in solo]
+
+
+def _serve(sch, seqs) -> list:
+    """Put ``seqs`` in ``sch``'s queue together, run them, and return each one's (text, `Finish`)."""
+    import queue
+
+    from gemmalite.server.scheduler import Finish
+
+    sinks = []
+    for seq in seqs:  # all waiting before the scheduler looks
+        sinks.append(queue.Queue())
+        seq.sink = sinks[-1].put
+        sch.waiting.put_nowait(seq)
+    sch.start()
+    try:
+        out = []
+        for q in sinks:
+            text = []
+            while not isinstance(ev := q.get(timeout=60), Finish):
+                text.append(ev.text)
+            out.append(("".join(text), ev))
+        return out
+    finally:
+        sch.close()
+
+
+def test_prompt_lookup_in_a_batch_keeps_every_text(model):
+    """Sequences decoding by prompt lookup beside plain ones, in one batch: greedy, seeded
+    sampling, a prediction that is the reply itself (so most drafts are kept: the rollback of the
+    rest and the acceptance of several rows in one step are both exercised), and replies that run
+    into the end of the context. Every text and finish reason equals the plain solo run's."""
+    from gemmalite.runtime.sampling import SamplingParams
+    from gemmalite.server.scheduler import Scheduler, Sequence
+
+    vocab = model.config.vocab_size
+    base = random_ids(10, vocab, seed=8)
+    prompts = [base + random_ids(4, vocab, seed=9) + base, base[:6] + base, random_ids(12, vocab, seed=10) + base,
+               base * 4]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=40, seed=4),
+              SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    limits = [12, 12, 12, 100]  # the last runs into the context's end (64)
+
+    def seqs(lookup, predictions=None):
+        return [Sequence(ids=list(p), max_tokens=n, params=sp, stop_ids=set(), stop_strings=[], sink=None,
+                         lookup=lookup, prediction=list(predictions[i]) if predictions else [])
+                for i, (p, sp, n) in enumerate(zip(prompts, params, limits))]
+
+    plain = [_serve(Scheduler(model.engine, model.tokenizer, prefix_cache=0), [s])[0] for s in seqs(0)]
+    replies = [model.tokenizer.encode(t, add_special_tokens=False) for t, _ in plain]
+    for lookup, predictions in ((3, None), (3, replies), (1, None)):
+        got = _serve(Scheduler(model.engine, model.tokenizer, max_concurrency=8, prefix_cache=0),
+                     seqs(lookup, predictions))
+        assert [(t, ev.reason) for t, ev in got] == [(t, ev.reason) for t, ev in plain], (lookup, predictions is None)
+        assert sum(ev.drafted for _, ev in got) > 0
+        assert all(ev.accepted <= ev.drafted for _, ev in got)
+        if predictions is not None:  # greedy, drafting from its own reply (the batch's draft rows take turns)
+            assert got[2][1].accepted > 0
+    solo = _serve(Scheduler(model.engine, model.tokenizer, prefix_cache=0), seqs(3, replies)[2:3])[0]
+    assert solo[0] == plain[2][0] and solo[1].accepted >= 4  # alone: up to three drafts kept per step
+    assert plain[3][1].reason == "length" and plain[3][1].completion_tokens == 64 - len(prompts[3]) + 1
+
+
 def test_requests_that_start_alike_share_one_prefill(model):
     """A burst of requests with a common prompt (the same prompt twice, one that shares 27 of its
     tokens, one unrelated): the followers copy the computed state (`KVState.clone`, of sliding
