@@ -110,3 +110,8 @@ def test_lookup_drafts():
     assert lookup_drafts([4, 5, 4], 5) == [5, 4]  # unigram, cut at the end of the history
     assert lookup_drafts([4], 3) == [] and lookup_drafts([], 3) == []
     assert lookup_drafts(list(np.arange(10)) + [3], 2) == [4, 5]
+    # a predicted reply is searched after the history, for each n-gram length
+    assert lookup_drafts([1, 2, 3], 3, source=[9, 2, 3, 4, 5, 6]) == [4, 5, 6]
+    assert lookup_drafts([1, 2, 3, 1, 2, 3], 2, source=[2, 3, 7]) == [1, 2]  # the history's trigram first
+    assert lookup_drafts([5, 2, 3], 2, source=[1, 2, 3, 8]) == [8]  # the source's bigram before a unigram
+    assert lookup_drafts([1, 2, 3], 3, source=[2, 3]) == []  # nothing follows it there
