@@ -26,7 +26,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .common import bf2f, h2f
+from .common import among, bf2f, either, h2f, literal_ladder
 from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _vec
 
 CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps)
@@ -166,37 +166,11 @@ def _tail(x, w, t, r, c0, bf16):  # pragma: no cover - compiled
     return s
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
-def _f32_tile(w, x, r, t0, nt, out, ncols, bf16, four):  # pragma: no cover - compiled
-    """`half_rows_dot` for rows ``r ..`` (4 if ``four``, else 1) x ``nt`` (1-3) tokens: the
-    intrinsic wants literal sizes."""
-    if bf16:
-        if four:
-            if nt == 3:
-                half_rows_dot(w, x, r, t0, out, ncols, 1, 4, 3)
-            elif nt == 2:
-                half_rows_dot(w, x, r, t0, out, ncols, 1, 4, 2)
-            else:
-                half_rows_dot(w, x, r, t0, out, ncols, 1, 4, 1)
-        elif nt == 3:
-            half_rows_dot(w, x, r, t0, out, ncols, 1, 1, 3)
-        elif nt == 2:
-            half_rows_dot(w, x, r, t0, out, ncols, 1, 1, 2)
-        else:
-            half_rows_dot(w, x, r, t0, out, ncols, 1, 1, 1)
-    elif four:
-        if nt == 3:
-            half_rows_dot(w, x, r, t0, out, ncols, 0, 4, 3)
-        elif nt == 2:
-            half_rows_dot(w, x, r, t0, out, ncols, 0, 4, 2)
-        else:
-            half_rows_dot(w, x, r, t0, out, ncols, 0, 4, 1)
-    elif nt == 3:
-        half_rows_dot(w, x, r, t0, out, ncols, 0, 1, 3)
-    elif nt == 2:
-        half_rows_dot(w, x, r, t0, out, ncols, 0, 1, 2)
-    else:
-        half_rows_dot(w, x, r, t0, out, ncols, 0, 1, 1)
+# `half_rows_dot` for rows ``r ..`` (4 if ``four``, else 1) x ``nt`` (1-3) tokens: the intrinsic wants
+# literal sizes.
+_f32_tile = literal_ladder(
+    "_f32_tile(w, x, r, t0, nt, out, ncols, bf16, four)", "half_rows_dot(w, x, r, t0, out, ncols, {B}, {R}, {T})",
+    dict(half_rows_dot=half_rows_dot), B=either("bf16", 1, 0), R=either("four", 4, 1), T=among("nt", 3, 2, 1))
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import common
-from .common import TOKEN_TILE
+from .common import TOKEN_TILE, among, either, literal_ladder
 from .simd import (
     _EXACT,
     _F32,
@@ -335,65 +335,12 @@ def int4s_rows_dot(typingctx, packed, scales, xq, xc, xd, r0, t0, out, nrows, nt
 ROW_BLOCK = 32  # weight rows per parallel task of the decode kernel
 
 
-@njit(inline="always", **_FAST)
-def _rows(packed, scales, xq, xc, xd, lo, hi, t0, nt, out, four, vnni):
-    """`int4s_rows_dot` on rows ``lo .. hi - 1`` (in tiles of 4 rows with ``four``: ``hi - lo`` a
-    multiple of 4) and tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), the tile sizes as literals, each case a
-    tight loop of its own."""
-    if vnni:
-        if four:
-            if nt == 4:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 1)
-            elif nt == 3:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 1)
-            elif nt == 2:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 1)
-            else:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 1)
-        else:
-            if nt == 4:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 1)
-            elif nt == 3:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 1)
-            elif nt == 2:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 1)
-            else:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 1)
-    else:
-        if four:
-            if nt == 4:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 0)
-            elif nt == 3:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 0)
-            elif nt == 2:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 0)
-            else:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 0)
-        else:
-            if nt == 4:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 0)
-            elif nt == 3:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 0)
-            elif nt == 2:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 0)
-            else:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 0)
+# `int4s_rows_dot` on rows ``lo .. hi - 1`` (in tiles of 4 rows with ``four``: ``hi - lo`` a multiple of 4)
+# and tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), the tile sizes as literals, each case a tight loop of its own.
+_rows = literal_ladder(
+    "_rows(packed, scales, xq, xc, xd, lo, hi, t0, nt, out, four, vnni)",
+    "for r in range(lo, hi, {R}):\n    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, {R}, {T}, {V})",
+    dict(int4s_rows_dot=int4s_rows_dot), V=either("vnni", 1, 0), R=either("four", 4, 1), T=among("nt", 4, 3, 2, 1))
 
 
 @njit(parallel=True, **_FAST)
