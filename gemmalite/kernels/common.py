@@ -112,6 +112,44 @@ def prefetch(typingctx, arr, index):
     return sig, codegen
 
 
+def either(test: str, if_true, if_false) -> tuple:
+    """A `literal_ladder` axis: ``if_true`` where the expression ``test`` holds, else ``if_false``."""
+    return ((test, if_true), (None, if_false))
+
+
+def among(name: str, *values) -> tuple:
+    """A `literal_ladder` axis: the run-time value of the integer ``name``, one of ``values`` (the last
+    one also stands for any other value)."""
+    return tuple((f"{name} == {v}", v) for v in values[:-1]) + ((None, values[-1]),)
+
+
+def literal_ladder(signature: str, body: str, env: dict, **axes):
+    """An inlined numba function ``signature`` (``"name(params)"``) that runs ``body`` with each
+    ``{KEY}`` filled in with a literal, picked at run time by the axis ``KEY`` (`either`, `among`).
+
+    The IR intrinsics take their tile sizes only as literals, so a kernel reaches them through an
+    if/elif ladder with a case per combination (each case its own specialised code); this writes
+    that ladder, outermost axis first, so that each kernel states only the call and the axes.
+    ``env``: the names ``body`` calls."""
+    lines = [f"def {signature}:"]
+
+    def emit(todo, fill, depth):
+        pad = "    " * depth
+        if not todo:
+            lines.extend(pad + line for line in body.format(**fill).splitlines())
+            return
+        (key, choices), rest = todo[0], todo[1:]
+        for i, (test, value) in enumerate(choices):
+            lines.append(pad + ("else:" if test is None else f"{'elif' if i else 'if'} {test}:"))
+            emit(rest, {**fill, key: value}, depth + 1)
+
+    emit(list(axes.items()), {}, 1)
+    name = signature.split("(")[0]
+    ns = dict(env)
+    exec(compile("\n".join(lines) + "\n", f"<literal_ladder {name}>", "exec"), ns)
+    return njit(inline="always")(ns[name])
+
+
 @njit(inline="always", cache=True)
 def nibbles(byte):
     """(low, high) nibble of a byte as exact float32s, in float arithmetic: it vectorises to

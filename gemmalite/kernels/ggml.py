@@ -15,7 +15,7 @@ import numpy as np
 from numba import literally, njit, prange, types
 from numba.extending import overload
 
-from .common import TOKEN_TILE, h2f, nibbles
+from .common import TOKEN_TILE, among, either, h2f, literal_ladder, nibbles
 from .simd import block_row_dot
 
 QK_K = 256
@@ -332,28 +332,12 @@ def make_kernels(name: str) -> _Kernels:
 KERNELS = {name: make_kernels(name) for name in _KINDS}
 
 
-@njit(inline="always", cache=True)
-def _block_rows(raw, xq, xd, r, t0, nt, out, q5):
-    """`block_row_dot` on row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..TOKEN_TILE): the intrinsic
-    wants literal sizes."""
-    if q5:
-        if nt == 4:
-            block_row_dot(raw, xq, xd, r, t0, out, 5, 4)
-        elif nt == 3:
-            block_row_dot(raw, xq, xd, r, t0, out, 5, 3)
-        elif nt == 2:
-            block_row_dot(raw, xq, xd, r, t0, out, 5, 2)
-        else:
-            block_row_dot(raw, xq, xd, r, t0, out, 5, 1)
-    else:
-        if nt == 4:
-            block_row_dot(raw, xq, xd, r, t0, out, 8, 4)
-        elif nt == 3:
-            block_row_dot(raw, xq, xd, r, t0, out, 8, 3)
-        elif nt == 2:
-            block_row_dot(raw, xq, xd, r, t0, out, 8, 2)
-        else:
-            block_row_dot(raw, xq, xd, r, t0, out, 8, 1)
+# `block_row_dot` on row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..TOKEN_TILE): the intrinsic wants literal
+# sizes.
+_block_rows = literal_ladder(
+    "_block_rows(raw, xq, xd, r, t0, nt, out, q5)", "block_row_dot(raw, xq, xd, r, t0, out, {B}, {T})",
+    dict(block_row_dot=block_row_dot),
+    B=either("q5", 5, 8), T=among("nt", 4, 3, 2, 1))
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

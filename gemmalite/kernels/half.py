@@ -26,8 +26,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .common import bf2f, h2f
-from .simd import _EXACT, _fma, _hsum, _literal, _load_vec, _open_loop, _vec
+from .common import among, bf2f, either, h2f, literal_ladder
+from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _vec
 
 CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps)
 
@@ -56,23 +56,15 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
     r0, t0, out float32 [T, R], ncols)``; "dp": ``(w, xb uint16 [T, C], r0, t0, out, ncols)``.
     Stores ``out[t0 + j, r0 + i]``."""
     dp = mode == "dp"
-    c64 = lambda v: ir.Constant(_I64, v)
 
-    def codegen(context, builder, signature, args):
-        wty, xty, _, _, oty, _ = signature.args
-        wa = context.make_array(wty)(context, builder, args[0])
-        xa = context.make_array(xty)(context, builder, args[1])
-        oa = context.make_array(oty)(context, builder, args[4])
-        r0, t0, ncols = args[2], args[3], args[5]
-        n, k = cgutils.unpack_tuple(builder, wa.shape)
-        rows = [builder.add(r0, c64(i)) for i in range(nrows)]
-        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
-        wrow = [builder.gep(wa.data, [builder.mul(r, k)], inbounds=True) for r in rows]
-        xrow = [builder.gep(xa.data, [builder.mul(t, k)], inbounds=True) for t in toks]
+    def codegen(builder, wa, xa, r0, t0, oa, ncols):
+        n, k = wa.shape
+        rows, toks = _span(builder, r0, nrows), _span(builder, t0, ntok)
+        wrow, xrow = wa.rows(builder, rows), xa.rows(builder, toks, k)
         nacc = 1 if dp else 2  # float32 mode: the two 16-lane halves of a chunk in lanes of their own
         entry, head, body, done = _open_loop(builder, "halftile")
         c = builder.phi(_I64)
-        c.add_incoming(c64(0), entry)
+        c.add_incoming(_c64(0), entry)
         accs = {}
         for key in [(i, j, h) for i in range(nrows) for j in range(ntok) for h in range(nacc)]:
             accs[key] = builder.phi(_vec(_F32, 16))
@@ -90,7 +82,7 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
                     new[i, j, 0] = builder.call(dot, [accs[i, j, 0], xs[j], ws[i]])
         else:
             for h in range(2):
-                off = builder.add(c, c64(16 * h))
+                off = builder.add(c, _c64(16 * h))
                 ws = [_widen(builder, _load_vec(builder, w, off, _vec(_I16, 16)), mode == "bf16") for w in wrow]
                 xs = [_load_vec(builder, x, off, _vec(_F32, 16)) for x in xrow]
                 for j in range(ntok):
@@ -98,7 +90,7 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
                         new[i, j, h] = _fma(builder, ws[i], xs[j], accs[i, j, h])
         for key, v in new.items():
             accs[key].add_incoming(v, body)
-        c.add_incoming(builder.add(c, c64(CHUNK)), body)
+        c.add_incoming(builder.add(c, _c64(CHUNK)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
@@ -107,14 +99,6 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
                 lanes = accs[i, j, 0] if dp else builder.fadd(accs[i, j, 0], accs[i, j, 1], flags=_EXACT)
                 at = builder.add(builder.mul(toks[j], n), rows[i])
                 builder.store(_hsum(builder, lanes), builder.gep(oa.data, [at], inbounds=True))
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _first_args(inner, n: int):
-    def codegen(context, builder, signature, args):
-        return inner(context, builder, types.void(*signature.args[:n]), args[:n])
 
     return codegen
 
@@ -128,7 +112,7 @@ def half_rows_dot(typingctx, w, x, r0, t0, out, ncols, bf16, nrows, ntok):
     if not (_literal(bf16, (0, 1)) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
     inner = _tile_codegen(nrows.literal_value, ntok.literal_value, "bf16" if bf16.literal_value else "f16")
-    return types.void(w, x, r0, t0, out, ncols, bf16, nrows, ntok), _first_args(inner, 6)
+    return types.void(w, x, r0, t0, out, ncols, bf16, nrows, ntok), _codegen(inner, 6)
 
 
 @intrinsic
@@ -139,7 +123,7 @@ def bf16_dot_tile(typingctx, w, xb, r0, t0, out, ncols, nrows, ntok):
     if not (_literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
     inner = _tile_codegen(nrows.literal_value, ntok.literal_value, "dp")
-    return types.void(w, xb, r0, t0, out, ncols, nrows, ntok), _first_args(inner, 6)
+    return types.void(w, xb, r0, t0, out, ncols, nrows, ntok), _codegen(inner, 6)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -182,37 +166,11 @@ def _tail(x, w, t, r, c0, bf16):  # pragma: no cover - compiled
     return s
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
-def _f32_tile(w, x, r, t0, nt, out, ncols, bf16, four):  # pragma: no cover - compiled
-    """`half_rows_dot` for rows ``r ..`` (4 if ``four``, else 1) x ``nt`` (1-3) tokens: the
-    intrinsic wants literal sizes."""
-    if bf16:
-        if four:
-            if nt == 3:
-                half_rows_dot(w, x, r, t0, out, ncols, 1, 4, 3)
-            elif nt == 2:
-                half_rows_dot(w, x, r, t0, out, ncols, 1, 4, 2)
-            else:
-                half_rows_dot(w, x, r, t0, out, ncols, 1, 4, 1)
-        elif nt == 3:
-            half_rows_dot(w, x, r, t0, out, ncols, 1, 1, 3)
-        elif nt == 2:
-            half_rows_dot(w, x, r, t0, out, ncols, 1, 1, 2)
-        else:
-            half_rows_dot(w, x, r, t0, out, ncols, 1, 1, 1)
-    elif four:
-        if nt == 3:
-            half_rows_dot(w, x, r, t0, out, ncols, 0, 4, 3)
-        elif nt == 2:
-            half_rows_dot(w, x, r, t0, out, ncols, 0, 4, 2)
-        else:
-            half_rows_dot(w, x, r, t0, out, ncols, 0, 4, 1)
-    elif nt == 3:
-        half_rows_dot(w, x, r, t0, out, ncols, 0, 1, 3)
-    elif nt == 2:
-        half_rows_dot(w, x, r, t0, out, ncols, 0, 1, 2)
-    else:
-        half_rows_dot(w, x, r, t0, out, ncols, 0, 1, 1)
+# `half_rows_dot` for rows ``r ..`` (4 if ``four``, else 1) x ``nt`` (1-3) tokens: the intrinsic wants
+# literal sizes.
+_f32_tile = literal_ladder(
+    "_f32_tile(w, x, r, t0, nt, out, ncols, bf16, four)", "half_rows_dot(w, x, r, t0, out, ncols, {B}, {R}, {T})",
+    dict(half_rows_dot=half_rows_dot), B=either("bf16", 1, 0), R=either("four", 4, 1), T=among("nt", 3, 2, 1))
 
 
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)

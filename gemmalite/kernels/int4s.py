@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import common
-from .common import TOKEN_TILE
+from .common import TOKEN_TILE, among, either, literal_ladder
 from .simd import (
     _EXACT,
     _F32,
@@ -30,12 +30,14 @@ from .simd import (
     _I16,
     _I32,
     _I64,
-    _first_args,
+    _c64,
+    _codegen,
     _fma,
     _literal,
     _load_vec,
     _open_loop,
     _pmadd,
+    _span,
     _splat,
     _vec,
     _vpdpbusd,
@@ -198,46 +200,28 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
     FMA'd, times ``d_w * xd`` (one rounding, the product of the block's two scales), into eight
     float32 lanes, summed at the end. Every (row, token) takes the same float sequence whatever
     the tile, so each output is bit for bit its 1 x 1 result."""
-    c64 = lambda v: ir.Constant(_I64, v)
-
-    def codegen(context, builder, signature, args):
-        pty, sty, qty, cty, dty, _, _, oty = signature.args
-        wa = context.make_array(pty)(context, builder, args[0])
-        sa = context.make_array(sty)(context, builder, args[1])
-        xqa = context.make_array(qty)(context, builder, args[2])
-        xca = context.make_array(cty)(context, builder, args[3])
-        xda = context.make_array(dty)(context, builder, args[4])
-        oa = context.make_array(oty)(context, builder, args[7])
-        r0, t0 = args[5], args[6]
-        row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
-        ng = cgutils.unpack_tuple(builder, sa.shape)[1]
-        x_len = cgutils.unpack_tuple(builder, xqa.shape)[1]
-        c_len = cgutils.unpack_tuple(builder, xca.shape)[1]
-        out_len = cgutils.unpack_tuple(builder, oa.shape)[1]
+    def codegen(builder, wa, sa, xqa, xca, xda, r0, t0, oa):
+        ng = sa.shape[1]
         dot = _dot_u8s8(builder, vnni)
         prefetch = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-        rows = [builder.add(r0, c64(i)) for i in range(nrows)]
-        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
-        wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
-        srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
-        xrow = [builder.gep(xqa.data, [builder.mul(t, x_len)], inbounds=True) for t in toks]
-        crow = [builder.gep(xca.data, [builder.mul(t, c_len)], inbounds=True) for t in toks]
-        drow = [builder.gep(xda.data, [builder.mul(t, c_len)], inbounds=True) for t in toks]
-        npair = builder.lshr(ng, c64(1))
+        rows, toks = _span(builder, r0, nrows), _span(builder, t0, ntok)
+        wrow, srow = wa.rows(builder, rows), sa.rows(builder, rows)
+        xrow, crow, drow = xqa.rows(builder, toks), xca.rows(builder, toks), xda.rows(builder, toks, xca.shape[1])
+        npair = builder.lshr(ng, _c64(1))
         f8 = _vec(_F32, 8)
 
         def step(p, ws, ss, facc):
             """One pair of blocks: ``ws`` each row's 32 bytes, ``ss`` its scales over eight lanes."""
             nib = [(builder.and_(w, ir.Constant(_vec(_I8, 32), [15] * 32)),
                     builder.lshr(w, ir.Constant(_vec(_I8, 32), [4] * 32))) for w in ws]
-            xo = builder.mul(p, c64(64))
-            co = builder.mul(p, c64(2))
+            xo = builder.mul(p, _c64(64))
+            co = builder.mul(p, _c64(2))
             halves = ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
             new = {}
             for j in range(ntok):
                 x0 = _load_vec(builder, xrow[j], xo, _vec(_I8, 32))
-                x1 = _load_vec(builder, xrow[j], builder.add(xo, c64(32)), _vec(_I8, 32))
+                x1 = _load_vec(builder, xrow[j], builder.add(xo, _c64(32)), _vec(_I8, 32))
                 c = _load_vec(builder, crow[j], co, _vec(_I32, 2))
                 c = builder.shuffle_vector(c, c, halves)
                 xd = _load_vec(builder, drow[j], co, _vec(_F32, 2))
@@ -252,10 +236,10 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
 
         def pair(p, facc):
             """A full pair of blocks at ``p`` into ``facc``."""
-            ws = [_load_vec(builder, w, builder.mul(p, c64(32)), _vec(_I8, 32)) for w in wrow]
+            ws = [_load_vec(builder, w, builder.mul(p, _c64(32)), _vec(_I8, 32)) for w in wrow]
             ss = []
             for s in srow:
-                two = builder.load(builder.bitcast(builder.gep(s, [builder.mul(p, c64(2))], inbounds=True),
+                two = builder.load(builder.bitcast(builder.gep(s, [builder.mul(p, _c64(2))], inbounds=True),
                                                    half2.as_pointer()), align=2)
                 two = builder.fpext(two, _vec(_F32, 2))
                 ss.append(builder.shuffle_vector(two, two, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])))
@@ -275,7 +259,7 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
             new = body_fn(p, phis)
             for key, v in new.items():
                 phis[key].add_incoming(v, builder.block)
-            p.add_incoming(builder.add(p, c64(stride)), builder.block)
+            p.add_incoming(builder.add(p, _c64(stride)), builder.block)
             builder.branch(head)
             builder.position_at_end(done)
             return p, phis
@@ -288,16 +272,16 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
         def unrolled(p, accs):
             if PREFETCH:  # the weights PREFETCH bytes ahead (on into the next rows): one line per iteration
                 for w in wrow:
-                    ptr = builder.gep(w, [builder.add(builder.mul(p, c64(32)), c64(PREFETCH))])
+                    ptr = builder.gep(w, [builder.add(builder.mul(p, _c64(32)), _c64(PREFETCH))])
                     builder.call(prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
             out = dict(accs)
             for u in range(UNROLL):
                 sub = {(i, j): accs[i, j, u] for i in range(nrows) for j in range(ntok)}
-                for (i, j), v in pair(builder.add(p, c64(u)), sub).items():
+                for (i, j), v in pair(builder.add(p, _c64(u)), sub).items():
                     out[i, j, u] = v
             return out
 
-        p_end, accs = loop("int4s.main", c64(0), builder.and_(npair, c64(-UNROLL)), UNROLL, accs, unrolled)
+        p_end, accs = loop("int4s.main", _c64(0), builder.and_(npair, _c64(-UNROLL)), UNROLL, accs, unrolled)
         first = {(i, j): accs[i, j, 0] for i in range(nrows) for j in range(ntok)}
         _, first = loop("int4s.rest", p_end, npair, 1, first, pair)
 
@@ -305,14 +289,14 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
         done = builder.block
         tail = builder.function.append_basic_block("int4s.tail")
         end = builder.function.append_basic_block("int4s.end")
-        odd = builder.icmp_unsigned("!=", builder.and_(ng, c64(1)), c64(0))
+        odd = builder.icmp_unsigned("!=", builder.and_(ng, _c64(1)), _c64(0))
         builder.cbranch(odd, tail, end)
         builder.position_at_end(tail)
         zero16 = ir.Constant(_vec(_I8, 16), [0] * 16)
-        ws = [builder.shuffle_vector(_load_vec(builder, w, builder.mul(npair, c64(32)), _vec(_I8, 16)), zero16,
+        ws = [builder.shuffle_vector(_load_vec(builder, w, builder.mul(npair, _c64(32)), _vec(_I8, 16)), zero16,
                                      ir.Constant(_vec(_I32, 32), list(range(32)))) for w in wrow]
         ss = [_splat(builder, builder.fpext(builder.load(builder.bitcast(
-            builder.gep(s, [builder.mul(npair, c64(2))], inbounds=True), ir.HalfType().as_pointer()), align=2),
+            builder.gep(s, [builder.mul(npair, _c64(2))], inbounds=True), ir.HalfType().as_pointer()), align=2),
             _F32), 8) for s in srow]
         tail_acc = step(npair, ws, ss, first)
         tail_end = builder.block
@@ -327,9 +311,8 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
             parts = [v] + [accs[i, j, u] for u in range(1, UNROLL)]
             while len(parts) > 1:
                 parts = [builder.fadd(a, b, flags=_EXACT) for a, b in zip(parts[0::2], parts[1::2])]
-            at = builder.add(builder.mul(toks[j], out_len), rows[i])
+            at = builder.add(builder.mul(toks[j], oa.shape[1]), rows[i])
             builder.store(_hsum_tree(builder, parts[0]), builder.gep(oa.data, [at], inbounds=True))
-        return context.get_dummy_value()
 
     return codegen
 
@@ -346,71 +329,18 @@ def int4s_rows_dot(typingctx, packed, scales, xq, xc, xd, r0, t0, out, nrows, nt
     if not (_literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9)) and _literal(vnni, (0, 1))):
         return None
     inner = _int4s_codegen(nrows.literal_value, ntok.literal_value, bool(vnni.literal_value))
-    return types.void(packed, scales, xq, xc, xd, r0, t0, out, nrows, ntok, vnni), _first_args(inner, 8)
+    return types.void(packed, scales, xq, xc, xd, r0, t0, out, nrows, ntok, vnni), _codegen(inner, 8)
 
 
 ROW_BLOCK = 32  # weight rows per parallel task of the decode kernel
 
 
-@njit(inline="always", **_FAST)
-def _rows(packed, scales, xq, xc, xd, lo, hi, t0, nt, out, four, vnni):
-    """`int4s_rows_dot` on rows ``lo .. hi - 1`` (in tiles of 4 rows with ``four``: ``hi - lo`` a
-    multiple of 4) and tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), the tile sizes as literals, each case a
-    tight loop of its own."""
-    if vnni:
-        if four:
-            if nt == 4:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 1)
-            elif nt == 3:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 1)
-            elif nt == 2:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 1)
-            else:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 1)
-        else:
-            if nt == 4:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 1)
-            elif nt == 3:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 1)
-            elif nt == 2:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 1)
-            else:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 1)
-    else:
-        if four:
-            if nt == 4:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 4, 0)
-            elif nt == 3:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 3, 0)
-            elif nt == 2:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 2, 0)
-            else:
-                for r in range(lo, hi, 4):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 4, 1, 0)
-        else:
-            if nt == 4:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 4, 0)
-            elif nt == 3:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 3, 0)
-            elif nt == 2:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 2, 0)
-            else:
-                for r in range(lo, hi):
-                    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, 1, 1, 0)
+# `int4s_rows_dot` on rows ``lo .. hi - 1`` (in tiles of 4 rows with ``four``: ``hi - lo`` a multiple of 4)
+# and tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), the tile sizes as literals, each case a tight loop of its own.
+_rows = literal_ladder(
+    "_rows(packed, scales, xq, xc, xd, lo, hi, t0, nt, out, four, vnni)",
+    "for r in range(lo, hi, {R}):\n    int4s_rows_dot(packed, scales, xq, xc, xd, r, t0, out, {R}, {T}, {V})",
+    dict(int4s_rows_dot=int4s_rows_dot), V=either("vnni", 1, 0), R=either("four", 4, 1), T=among("nt", 4, 3, 2, 1))
 
 
 @njit(parallel=True, **_FAST)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import TOKEN_TILE, h2f, nibbles, prefetch
+from .common import TOKEN_TILE, among, either, h2f, literal_ladder, nibbles, prefetch
 from .simd import TILE_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
@@ -118,48 +118,12 @@ def i8_mv4(q, scale, x, out):
 
 
 
-@njit(inline="always", **_FAST)
-def _i8_tile(q, xq, xd, r, t0, nt, out, four, blocks):
-    """Rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), with x in
-    int16 per TILE_BLOCK values (``blocks``: `int8_tile_dot`) or per 32 (`int8_rows_dot`): the
-    intrinsics want literal tile sizes."""
-    if blocks:
-        if four:
-            if nt == 4:
-                int8_tile_dot(q, xq, xd, r, t0, out, 4, 4)
-            elif nt == 3:
-                int8_tile_dot(q, xq, xd, r, t0, out, 4, 3)
-            elif nt == 2:
-                int8_tile_dot(q, xq, xd, r, t0, out, 4, 2)
-            else:
-                int8_tile_dot(q, xq, xd, r, t0, out, 4, 1)
-        else:
-            if nt == 4:
-                int8_tile_dot(q, xq, xd, r, t0, out, 1, 4)
-            elif nt == 3:
-                int8_tile_dot(q, xq, xd, r, t0, out, 1, 3)
-            elif nt == 2:
-                int8_tile_dot(q, xq, xd, r, t0, out, 1, 2)
-            else:
-                int8_tile_dot(q, xq, xd, r, t0, out, 1, 1)
-    elif four:
-        if nt == 4:
-            int8_rows_dot(q, xq, xd, r, t0, out, 4, 4)
-        elif nt == 3:
-            int8_rows_dot(q, xq, xd, r, t0, out, 4, 3)
-        elif nt == 2:
-            int8_rows_dot(q, xq, xd, r, t0, out, 4, 2)
-        else:
-            int8_rows_dot(q, xq, xd, r, t0, out, 4, 1)
-    else:
-        if nt == 4:
-            int8_rows_dot(q, xq, xd, r, t0, out, 1, 4)
-        elif nt == 3:
-            int8_rows_dot(q, xq, xd, r, t0, out, 1, 3)
-        elif nt == 2:
-            int8_rows_dot(q, xq, xd, r, t0, out, 1, 2)
-        else:
-            int8_rows_dot(q, xq, xd, r, t0, out, 1, 1)
+# Rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), with x in int16 per
+# TILE_BLOCK values (``blocks``: `int8_tile_dot`) or per 32 (`int8_rows_dot`), the tile sizes as literals.
+_i8_tile = literal_ladder(
+    "_i8_tile(q, xq, xd, r, t0, nt, out, four, blocks)", "{F}(q, xq, xd, r, t0, out, {R}, {T})",
+    dict(int8_tile_dot=int8_tile_dot, int8_rows_dot=int8_rows_dot),
+    F=either("blocks", "int8_tile_dot", "int8_rows_dot"), R=either("four", 4, 1), T=among("nt", 4, 3, 2, 1))
 
 
 @njit(parallel=True, **_FAST)
@@ -438,48 +402,12 @@ def i4_mv1(packed, scales, mins, x, xs, group, out, sym=False):
         out[0, r] = acc
 
 
-@njit(inline="always", **_FAST)
-def _i4_tile(packed, scales, xq, xd, r, t0, nt, out, group, four):
-    """`int4_rows_dot` on rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1``
-    (``nt`` 1..4), with literal tile sizes and group."""
-    if group == 32:
-        if four:
-            if nt == 4:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 4, 4)
-            elif nt == 3:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 4, 3)
-            elif nt == 2:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 4, 2)
-            else:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 4, 1)
-        else:
-            if nt == 4:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 1, 4)
-            elif nt == 3:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 1, 3)
-            elif nt == 2:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 1, 2)
-            else:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 32, 1, 1)
-    else:
-        if four:
-            if nt == 4:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 4, 4)
-            elif nt == 3:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 4, 3)
-            elif nt == 2:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 4, 2)
-            else:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 4, 1)
-        else:
-            if nt == 4:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 1, 4)
-            elif nt == 3:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 1, 3)
-            elif nt == 2:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 1, 2)
-            else:
-                int4_rows_dot(packed, scales, xq, xd, r, t0, out, 64, 1, 1)
+# `int4_rows_dot` on rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), with
+# literal tile sizes and group.
+_i4_tile = literal_ladder(
+    "_i4_tile(packed, scales, xq, xd, r, t0, nt, out, group, four)",
+    "int4_rows_dot(packed, scales, xq, xd, r, t0, out, {G}, {R}, {T})", dict(int4_rows_dot=int4_rows_dot),
+    G=either("group == 32", 32, 64), R=either("four", 4, 1), T=among("nt", 4, 3, 2, 1))
 
 
 @njit(parallel=True, **_FAST)

@@ -12,6 +12,8 @@ host has it, and callers keep a plain-numba path for other CPUs.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -62,8 +64,42 @@ def _vec(t: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(t, n)
 
 
-def _data(context, builder, ty, val):
-    return context.make_array(ty)(context, builder, val).data
+def _c64(v: int) -> ir.Constant:
+    return ir.Constant(_I64, v)
+
+
+class _Array(NamedTuple):
+    """An array argument inside a codegen: pointer to its first element, its dimensions (IR int64)."""
+
+    data: ir.Value
+    shape: tuple
+
+    def rows(self, builder, index, row_len=None) -> list:
+        """Pointers to the rows ``index`` (IR integers) of this C-contiguous 2-D array, ``row_len``
+        elements apart (its own width unless given)."""
+        step = self.shape[1] if row_len is None else row_len
+        return [builder.gep(self.data, [builder.mul(i, step)], inbounds=True) for i in index]
+
+
+def _span(builder, first, n: int) -> list:
+    """``first, first + 1 .. first + n - 1`` as IR integers: a tile's rows or tokens."""
+    return [builder.add(first, _c64(i)) for i in range(n)]
+
+
+def _codegen(inner, n: int):
+    """numba codegen of an intrinsic: ``inner(builder, *args)`` on its first ``n`` arguments (the
+    rest are literal tile sizes, built into ``inner``), arrays as `_Array`, scalars as IR values."""
+    def codegen(context, builder, signature, args):
+        vals = []
+        for ty, v in zip(signature.args[:n], args[:n]):
+            if isinstance(ty, types.Array):
+                a = context.make_array(ty)(context, builder, v)
+                v = _Array(a.data, tuple(cgutils.unpack_tuple(builder, a.shape)))
+            vals.append(v)
+        inner(builder, *vals)
+        return context.get_dummy_value()
+
+    return codegen
 
 
 def _load_vec(builder, base, index, vty):
@@ -140,40 +176,23 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
     ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, out]``.
     """
     int4 = fmt == "int4"
-    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
     i16 = lambda v: ir.Constant(_vec(_I16, 16), [v] * 16)  # noqa: E731
 
-    def codegen(context, builder, signature, args):
+    def codegen(builder, wa, *rest):
         if int4:
-            pty, sty, qty, dty, _, _, oty = signature.args
-            wa = context.make_array(pty)(context, builder, args[0])
-            sa = context.make_array(sty)(context, builder, args[1])
-            ng = cgutils.unpack_tuple(builder, sa.shape)[1]
-            args = [args[0], *args[2:]]
+            sa, xqa, xda, r0, t0, oa = rest
+            ng = sa.shape[1]
         else:
-            pty, qty, dty, _, _, oty = signature.args
-            wa = context.make_array(pty)(context, builder, args[0])
-            ng = builder.udiv(cgutils.unpack_tuple(builder, wa.shape)[1],
-                              ir.Constant(_I64, GGML_BLOCK.get(fmt, group)))
-        xqa = context.make_array(qty)(context, builder, args[1])
-        xda = context.make_array(dty)(context, builder, args[2])
-        oa = context.make_array(oty)(context, builder, args[5])
-        r0, t0 = args[3], args[4]
-        row_len = cgutils.unpack_tuple(builder, wa.shape)[1]
-        x_len = cgutils.unpack_tuple(builder, xqa.shape)[1]
-        xd_len = cgutils.unpack_tuple(builder, xda.shape)[1]
-        out_len = cgutils.unpack_tuple(builder, oa.shape)[1]
+            xqa, xda, r0, t0, oa = rest
+            ng = builder.udiv(wa.shape[1], ir.Constant(_I64, GGML_BLOCK.get(fmt, group)))
         pmadd = _pmadd(builder)
-        rows = [builder.add(r0, c64(i)) for i in range(nrows)]
-        toks = [builder.add(t0, c64(j)) for j in range(ntok)]
-        wrow = [builder.gep(wa.data, [builder.mul(r, row_len)], inbounds=True) for r in rows]
-        xrow = [builder.gep(xqa.data, [builder.mul(t, x_len)], inbounds=True) for t in toks]
-        drow = [builder.gep(xda.data, [builder.mul(t, xd_len)], inbounds=True) for t in toks]
+        rows, toks = _span(builder, r0, nrows), _span(builder, t0, ntok)
+        wrow, xrow, drow = wa.rows(builder, rows), xqa.rows(builder, toks), xda.rows(builder, toks)
         if int4:
-            srow = [builder.gep(sa.data, [builder.mul(r, ng)], inbounds=True) for r in rows]
+            srow = sa.rows(builder, rows)
         entry, head, body, done = _open_loop(builder, "rowsdot")
         g = builder.phi(_I64)
-        g.add_incoming(c64(0), entry)
+        g.add_incoming(_c64(0), entry)
         accs = {}
         for i in range(nrows):
             for j in range(ntok):
@@ -182,14 +201,14 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
         builder.cbranch(builder.icmp_signed("<", g, ng), body, done)
 
         builder.position_at_end(body)
-        xbase = builder.mul(g, c64(group))
-        xs = [[_load_vec(builder, x, builder.add(xbase, c64(16 * c)), _vec(_I16, 16)) for c in range(group // 16)]
+        xbase = builder.mul(g, _c64(group))
+        xs = [[_load_vec(builder, x, builder.add(xbase, _c64(16 * c)), _vec(_I16, 16)) for c in range(group // 16)]
               for x in xrow]
         xdg = [builder.load(builder.gep(d, [g], inbounds=True)) for d in drow]
 
         def int8_chunks(ptr, start):
             """The group's int8 weights from ``ptr[start:]``, widened: (int16 x 16, x chunk) pairs."""
-            return [(builder.sext(_load_vec(builder, ptr, builder.add(start, c64(16 * c)), _vec(_I8, 16)),
+            return [(builder.sext(_load_vec(builder, ptr, builder.add(start, _c64(16 * c)), _vec(_I8, 16)),
                                   _vec(_I16, 16)), c) for c in range(group // 16)]
 
         for i in range(nrows):
@@ -197,7 +216,7 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
             if int4:  # byte j of a group: value j (low nibble) and value j + group/2 (high)
                 ws = []
                 for c in range(group // 32):
-                    b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, c64(group // 2)), c64(16 * c)),
+                    b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, _c64(group // 2)), _c64(16 * c)),
                                   _vec(_I8, 16))
                     w = builder.zext(b, _vec(_I16, 16))
                     ws += [(builder.and_(w, i16(15)), c), (builder.lshr(w, i16(4)), c + group // 32)]
@@ -205,15 +224,15 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
             elif fmt == "int8":
                 ws = int8_chunks(wrow[i], xbase)
             else:  # GGML block: float16 scale first
-                blk = builder.gep(wrow[i], [builder.mul(g, c64(GGML_BLOCK[fmt]))], inbounds=True)
+                blk = builder.gep(wrow[i], [builder.mul(g, _c64(GGML_BLOCK[fmt]))], inbounds=True)
                 scale = half_to_f32_ir(builder, builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1))
                 if fmt == "q8_0":
-                    ws = int8_chunks(blk, c64(2))
+                    ws = int8_chunks(blk, _c64(2))
                 else:
-                    qh = builder.load(builder.bitcast(builder.gep(blk, [c64(2)], inbounds=True),
+                    qh = builder.load(builder.bitcast(builder.gep(blk, [_c64(2)], inbounds=True),
                                                       _I32.as_pointer()), align=1)
                     qh = _splat(builder, qh, 16)
-                    w = builder.zext(_load_vec(builder, blk, c64(6), _vec(_I8, 16)), _vec(_I16, 16))
+                    w = builder.zext(_load_vec(builder, blk, _c64(6), _vec(_I8, 16)), _vec(_I16, 16))
                     nib = (builder.and_(w, i16(15)), builder.lshr(w, i16(4)))
                     ws = []
                     for c in range(2):
@@ -229,14 +248,13 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 d = xdg[j] if scale is None else builder.fmul(scale, xdg[j], flags=_EXACT)
                 accs[i, j].add_incoming(
                     _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8), accs[i, j]), body)
-        g.add_incoming(builder.add(g, c64(1)), body)
+        g.add_incoming(builder.add(g, _c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
         for (i, j), acc in accs.items():
-            at = builder.add(builder.mul(toks[j], out_len), rows[i])
+            at = builder.add(builder.mul(toks[j], oa.shape[1]), rows[i])
             builder.store(_hsum(builder, acc), builder.gep(oa.data, [at], inbounds=True))
-        return context.get_dummy_value()
 
     return codegen
 
@@ -258,25 +276,15 @@ def _tile_dot_codegen(rt: int, tt: int):
     Arguments ``(q [n, k] int8, xq [T, k] int16, xd [T, k // TILE_BLOCK] float32, r0, t0,
     out [T, n] float32)``; the tile's outputs are stored, not accumulated.
     """
-    def codegen(context, builder, signature, args):
-        qty, xqty, xdty, _, _, oty = signature.args
-        qa = context.make_array(qty)(context, builder, args[0])
-        xa = context.make_array(xqty)(context, builder, args[1])
-        da = context.make_array(xdty)(context, builder, args[2])
-        oa = context.make_array(oty)(context, builder, args[5])
-        r0, t0 = args[3], args[4]
-        n, k = cgutils.unpack_tuple(builder, qa.shape)
-        nkb = cgutils.unpack_tuple(builder, da.shape)[1]
-        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    def codegen(builder, qa, xa, da, r0, t0, oa):
+        n, k = qa.shape
+        nkb = da.shape[1]
         pmadd = _pmadd(builder)
-        rows = [builder.add(r0, c64(i)) for i in range(rt)]
-        toks = [builder.add(t0, c64(j)) for j in range(tt)]
-        wrow = [builder.gep(qa.data, [builder.mul(r, k)], inbounds=True) for r in rows]
-        xrow = [builder.gep(xa.data, [builder.mul(t, k)], inbounds=True) for t in toks]
-        drow = [builder.gep(da.data, [builder.mul(t, nkb)], inbounds=True) for t in toks]
+        rows, toks = _span(builder, r0, rt), _span(builder, t0, tt)
+        wrow, xrow, drow = qa.rows(builder, rows), xa.rows(builder, toks, k), da.rows(builder, toks)
         entry, head, body, done = _open_loop(builder, "tile")
         kb = builder.phi(_I64)
-        kb.add_incoming(c64(0), entry)
+        kb.add_incoming(_c64(0), entry)
         facc = {}
         for i in range(rt):
             for j in range(tt):
@@ -285,10 +293,10 @@ def _tile_dot_codegen(rt: int, tt: int):
         builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
 
         builder.position_at_end(body)
-        base = builder.mul(kb, c64(TILE_BLOCK))
+        base = builder.mul(kb, _c64(TILE_BLOCK))
         acc = {}
         for c in range(TILE_BLOCK // 16):
-            off = builder.add(base, c64(16 * c))
+            off = builder.add(base, _c64(16 * c))
             ws = [builder.sext(_load_vec(builder, w, off, _vec(_I8, 16)), _vec(_I16, 16)) for w in wrow]
             xs = [_load_vec(builder, x, off, _vec(_I16, 16)) for x in xrow]
             for i in range(rt):
@@ -299,14 +307,13 @@ def _tile_dot_codegen(rt: int, tt: int):
             d = _splat(builder, builder.load(builder.gep(drow[j], [kb], inbounds=True)), 8)
             for i in range(rt):
                 facc[i, j].add_incoming(_fma(builder, builder.sitofp(acc[i, j], _vec(_F32, 8)), d, facc[i, j]), body)
-        kb.add_incoming(builder.add(kb, c64(1)), body)
+        kb.add_incoming(builder.add(kb, _c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
         for (i, j), lanes in facc.items():
             builder.store(_hsum(builder, lanes),
                           builder.gep(oa.data, [builder.add(builder.mul(toks[j], n), rows[i])], inbounds=True))
-        return context.get_dummy_value()
 
     return codegen
 
@@ -348,33 +355,26 @@ def _spread(builder, ptr, count: int, lane_of, nvec: int, ety):
         for v in range(nvec)]
 
 
-def _round_u8_codegen(context, builder, signature, args):
+def _round_u8_codegen(builder, xa, ua, da, t):
     """IR of `round_u8`: per block, the max of |x| over eight-lane vectors, then ``x / d`` rounded
     to nearest even (``cvtps2dq``, like ``np.rint``), +128, narrowed to bytes. (numba leaves a
     float max reduction scalar: 2 values per ns against ~16 here.)"""
-    xty, uty, dty, _ = signature.args
-    xa = context.make_array(xty)(context, builder, args[0])
-    ua = context.make_array(uty)(context, builder, args[1])
-    da = context.make_array(dty)(context, builder, args[2])
-    t = args[3]
-    k = cgutils.unpack_tuple(builder, xa.shape)[1]
-    nkb, t_all = cgutils.unpack_tuple(builder, da.shape)
-    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    k = xa.shape[1]
+    nkb, t_all = da.shape
     f8 = _vec(_F32, 8)
     cvt = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vec(_I32, 8), [f8]),
                                          "llvm.x86.avx.cvt.ps2dq.256")
     fmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8, f8]), "llvm.maxnum.v8f32")
     fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8]), "llvm.fabs.v8f32")
-    xrow = builder.gep(xa.data, [builder.mul(t, k)], inbounds=True)
-    urow = builder.gep(ua.data, [builder.mul(t, k)], inbounds=True)
+    (xrow,), (urow,) = xa.rows(builder, [t]), ua.rows(builder, [t], k)
     entry, head, body, done = _open_loop(builder, "roundu8")
     kb = builder.phi(_I64)
-    kb.add_incoming(c64(0), entry)
+    kb.add_incoming(_c64(0), entry)
     builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
 
     builder.position_at_end(body)
-    base = builder.mul(kb, c64(U8_BLOCK))
-    xs = [_load_vec(builder, xrow, builder.add(base, c64(8 * c)), f8) for c in range(U8_BLOCK // 8)]
+    base = builder.mul(kb, _c64(U8_BLOCK))
+    xs = [_load_vec(builder, xrow, builder.add(base, _c64(8 * c)), f8) for c in range(U8_BLOCK // 8)]
     m = [builder.call(fabs, [v]) for v in xs]
     while len(m) > 1:
         m = [builder.call(fmax, [a, b]) for a, b in zip(m[0::2], m[1::2])]
@@ -390,12 +390,11 @@ def _round_u8_codegen(context, builder, signature, args):
     off = ir.Constant(_vec(_I32, 8), [128] * 8)
     for c, v in enumerate(xs):
         q = builder.add(builder.call(cvt, [builder.fmul(v, inv)]), off)
-        dst = builder.gep(urow, [builder.add(base, c64(8 * c))], inbounds=True)
+        dst = builder.gep(urow, [builder.add(base, _c64(8 * c))], inbounds=True)
         builder.store(builder.trunc(q, _vec(_I8, 8)), builder.bitcast(dst, _vec(_I8, 8).as_pointer()), align=1)
-    kb.add_incoming(builder.add(kb, c64(1)), body)
+    kb.add_incoming(builder.add(kb, _c64(1)), body)
     builder.branch(head)
     builder.position_at_end(done)
-    return context.get_dummy_value()
 
 
 @intrinsic
@@ -405,7 +404,7 @@ def round_u8(typingctx, x, xu, xd, t):
     offset by +128 in ``xu [T, k]`` uint8: the unsigned operand of ``vpdpbusd``
     (`u8_tile_dot` takes the offset back out with the weights' block sums). ``xd [k // B, T]``
     float32 (transposed: a tile reads its tokens' scales together). Rounding error <= xd / 2."""
-    return types.void(x, xu, xd, t), _round_u8_codegen
+    return types.void(x, xu, xd, t), _codegen(_round_u8_codegen, 4)
 
 
 def _u8_tile_codegen(rt: int, tt: int):
@@ -426,27 +425,18 @@ def _u8_tile_codegen(rt: int, tt: int):
     npair = rt * tt
     nvec = (npair + 7) // 8
 
-    def codegen(context, builder, signature, args):
-        qty, cty, xty, dty, _, _, oty, sty = signature.args
-        qa = context.make_array(qty)(context, builder, args[0])
-        ca = context.make_array(cty)(context, builder, args[1])
-        xa = context.make_array(xty)(context, builder, args[2])
-        da = context.make_array(dty)(context, builder, args[3])
-        oa = context.make_array(oty)(context, builder, args[6])
-        sa = context.make_array(sty)(context, builder, args[7])
-        r0, t0 = args[4], args[5]
-        n, k = cgutils.unpack_tuple(builder, qa.shape)
-        nkb, t_all = cgutils.unpack_tuple(builder, da.shape)
-        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    def codegen(builder, qa, ca, xa, da, r0, t0, oa, sa):
+        n, k = qa.shape
+        nkb, t_all = da.shape
         dot = _vpdpbusd(builder)
         v8 = _vec(_I32, 8)
-        wrow = [builder.gep(qa.data, [builder.mul(builder.add(r0, c64(i)), k)], inbounds=True) for i in range(rt)]
-        xrow = [builder.gep(xa.data, [builder.mul(builder.add(t0, c64(j)), k)], inbounds=True) for j in range(tt)]
+        wrow = [builder.gep(qa.data, [builder.mul(builder.add(r0, _c64(i)), k)], inbounds=True) for i in range(rt)]
+        xrow = [builder.gep(xa.data, [builder.mul(builder.add(t0, _c64(j)), k)], inbounds=True) for j in range(tt)]
         row_of = lambda p: p % rt if p < npair else None  # noqa: E731
         tok_of = lambda p: p // rt if p < npair else None  # noqa: E731
         entry, head, body, done = _open_loop(builder, "u8tile")
         kb = builder.phi(_I64)
-        kb.add_incoming(c64(0), entry)
+        kb.add_incoming(_c64(0), entry)
         facc = []
         for _ in range(nvec):
             facc.append(builder.phi(_vec(_F32, 8)))
@@ -454,10 +444,10 @@ def _u8_tile_codegen(rt: int, tt: int):
         builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
 
         builder.position_at_end(body)
-        base = builder.mul(kb, c64(U8_BLOCK))
+        base = builder.mul(kb, _c64(U8_BLOCK))
         acc = {(i, j): ir.Constant(v8, [0] * 8) for i in range(rt) for j in range(tt)}
         for c in range(U8_BLOCK // 32):
-            off = builder.add(base, c64(32 * c))
+            off = builder.add(base, _c64(32 * c))
             ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
             xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
             for j in range(tt):
@@ -471,7 +461,7 @@ def _u8_tile_codegen(rt: int, tt: int):
         for v in range(nvec):
             exact = builder.sitofp(builder.add(sums[v], corr[v]), _vec(_F32, 8))
             facc[v].add_incoming(_fma(builder, exact, xd[v], facc[v]), body)
-        kb.add_incoming(builder.add(kb, c64(1)), body)
+        kb.add_incoming(builder.add(kb, _c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
@@ -480,23 +470,14 @@ def _u8_tile_codegen(rt: int, tt: int):
         for j in range(tt):
             v, lane = divmod(j * rt, 8)
             part = builder.shuffle_vector(res[v], res[v], ir.Constant(_vec(_I32, rt), list(range(lane, lane + rt))))
-            dst = builder.gep(oa.data, [builder.add(builder.mul(builder.add(t0, c64(j)), n), r0)], inbounds=True)
+            dst = builder.gep(oa.data, [builder.add(builder.mul(builder.add(t0, _c64(j)), n), r0)], inbounds=True)
             builder.store(part, builder.bitcast(dst, _vec(_F32, rt).as_pointer()), align=4)
-        return context.get_dummy_value()
 
     return codegen
 
 
 def _literal(t, allowed) -> bool:
     return isinstance(t, types.IntegerLiteral) and t.literal_value in allowed
-
-
-def _first_args(inner, n: int):
-    """Codegen that hands ``inner`` only the first ``n`` arguments (the rest are literals)."""
-    def codegen(context, builder, signature, args):
-        return inner(context, builder, types.void(*signature.args[:n]), args[:n])
-
-    return codegen
 
 
 @intrinsic
@@ -514,7 +495,7 @@ def int4_rows_dot(typingctx, packed, scales, xq, xd, r0, t0, out, group, nrows, 
     if not (_literal(group, (32, 64)) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
     inner = _rows_dot_codegen(group.literal_value, nrows.literal_value, ntok.literal_value, "int4")
-    return types.void(packed, scales, xq, xd, r0, t0, out, group, nrows, ntok), _first_args(inner, 7)
+    return types.void(packed, scales, xq, xd, r0, t0, out, group, nrows, ntok), _codegen(inner, 7)
 
 
 @intrinsic
@@ -527,7 +508,7 @@ def int8_rows_dot(typingctx, q, xq, xd, r0, t0, out, nrows, ntok):
     if not (_literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
     inner = _rows_dot_codegen(32, nrows.literal_value, ntok.literal_value, "int8")
-    return types.void(q, xq, xd, r0, t0, out, nrows, ntok), _first_args(inner, 6)
+    return types.void(q, xq, xd, r0, t0, out, nrows, ntok), _codegen(inner, 6)
 
 
 @intrinsic
@@ -538,7 +519,7 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
     if not (_literal(rt, range(1, 5)) and _literal(tt, range(1, 5))):
         return None
     inner = _tile_dot_codegen(rt.literal_value, tt.literal_value)
-    return types.void(q, xq, xd, r0, t0, out, rt, tt), _first_args(inner, 6)
+    return types.void(q, xq, xd, r0, t0, out, rt, tt), _codegen(inner, 6)
 
 
 @intrinsic
@@ -551,7 +532,7 @@ def u8_tile_dot(typingctx, q, corr, xu, xd, r0, t0, out, scale, rt, tt):
     if not (_literal(rt, (1, 2, 4, 8)) and _literal(tt, range(1, 5))):
         return None
     inner = _u8_tile_codegen(rt.literal_value, tt.literal_value)
-    return types.void(q, corr, xu, xd, r0, t0, out, scale, rt, tt), _first_args(inner, 8)
+    return types.void(q, corr, xu, xd, r0, t0, out, scale, rt, tt), _codegen(inner, 8)
 
 
 @intrinsic
@@ -563,4 +544,4 @@ def block_row_dot(typingctx, raw, xq, xd, r0, t0, out, bits, ntok):
     if not (_literal(bits, (5, 8)) and _literal(ntok, range(1, 9))):
         return None
     inner = _rows_dot_codegen(32, 1, ntok.literal_value, "q8_0" if bits.literal_value == 8 else "q5_0")
-    return types.void(raw, xq, xd, r0, t0, out, bits, ntok), _first_args(inner, 6)
+    return types.void(raw, xq, xd, r0, t0, out, bits, ntok), _codegen(inner, 6)
