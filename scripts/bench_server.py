@@ -80,7 +80,8 @@ def one_stream(client, model: str, max_tokens: int, t_start: float, prompt: str 
     a chat turn that ends at the model's end of turn."""
     t0 = time.perf_counter()
     first, chunks, usage = None, 0, None
-    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+    common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
     if chat:
         stream = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common,
                                                 extra_body={"cache_prompt": False, **(extra or {})})
@@ -99,7 +100,7 @@ def one_stream(client, model: str, max_tokens: int, t_start: float, prompt: str 
             "tokens": tokens}
 
 
-def run_level(t: "Target", n: int, max_tokens: int, distinct: bool = False, task: str | None = None) -> dict:
+def run_level(t: Target, n: int, max_tokens: int, distinct: bool = False, task: str | None = None) -> dict:
     t_start = time.perf_counter()
     with ThreadPoolExecutor(n) as ex:
         res = list(ex.map(lambda i: one_stream(t.client, t.model, max_tokens, t_start, prompt_for(i, distinct, task),
@@ -112,7 +113,7 @@ def run_level(t: "Target", n: int, max_tokens: int, distinct: bool = False, task
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99))}
 
 
-def solo_prefill(t: "Target", task: str | None = None, repeats: int = 3) -> float:
+def solo_prefill(t: Target, task: str | None = None, repeats: int = 3) -> float:
     return float(np.median([one_stream(t.client, t.model, 1, time.perf_counter(), prompt_for(0, False, task),
                                        chat=task is not None, extra=t.extra)["ttft"] for _ in range(repeats)]))
 

@@ -105,8 +105,8 @@ def test_prompt_lookup_and_predictions_keep_the_text(live, refs):
     prediction of the reply itself is mostly accepted."""
     c = live.client()
     p = PROMPTS[2]
-    for kw, want in ((dict(temperature=0), refs[("gen", p)]),
-                     (dict(temperature=0.9, top_p=0.9, seed=2), refs[("sample", p)])):
+    for kw, want in (({"temperature": 0}, refs[("gen", p)]),
+                     ({"temperature": 0.9, "top_p": 0.9, "seed": 2}, refs[("sample", p)])):
         d0, a0 = live.metric("gemmalite_draft_tokens_total"), live.metric("gemmalite_accepted_draft_tokens_total")
         r = c.completions.create(model=MODEL_ID, prompt=p, max_tokens=10, extra_body={"prompt_lookup": True}, **kw)
         assert r.choices[0].text == want

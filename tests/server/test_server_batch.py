@@ -217,10 +217,8 @@ def test_requests_that_start_alike_share_one_prefill(model):
     tokens, one unrelated): the followers copy the computed state (`KVState.clone`, of sliding
     rings that have wrapped: 30 tokens in 20 slots) and run only the rest, and every text equals
     the one the request gets alone."""
-    import queue
-
     from gemmalite.runtime.sampling import SamplingParams
-    from gemmalite.server.scheduler import SHARE_MIN, Finish, Scheduler, Sequence
+    from gemmalite.server.scheduler import SHARE_MIN, Scheduler, Sequence
 
     vocab = model.config.vocab_size
     base = random_ids(30, vocab, seed=5)
@@ -228,22 +226,9 @@ def test_requests_that_start_alike_share_one_prefill(model):
     assert 27 >= SHARE_MIN and prompts[2][27] != base[27] and prompts[3][0] != base[0]
 
     def run(sch, ids_list):
-        sinks = []
-        for ids in ids_list:  # all waiting before the scheduler looks
-            sinks.append(queue.Queue())
-            sch.waiting.put_nowait(Sequence(ids=list(ids), max_tokens=6, params=SamplingParams(temperature=0),
-                                            stop_ids=set(), stop_strings=[], sink=sinks[-1].put))
-        sch.start()
-        try:
-            out = []
-            for q in sinks:
-                text = []
-                while not isinstance(ev := q.get(timeout=60), Finish):
-                    text.append(ev.text)
-                out.append(("".join(text), ev.cached_tokens))
-            return out
-        finally:
-            sch.close()
+        return [(t, ev.cached_tokens) for t, ev in _serve(sch, [
+            Sequence(ids=list(ids), max_tokens=6, params=SamplingParams(temperature=0), stop_ids=set(),
+                     stop_strings=[], sink=None) for ids in ids_list])]
 
     alone = [run(Scheduler(model.engine, model.tokenizer, prefix_cache=0), [p])[0] for p in prompts]
     burst = run(Scheduler(model.engine, model.tokenizer, max_concurrency=8, prefix_cache=0), prompts)
