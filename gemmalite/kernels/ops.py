@@ -39,7 +39,7 @@ def gelu_tanh_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     which do numpy's float32 operations in numpy's order (the same bits as the ten-pass numpy
     expression, in three passes: ~1.8x)."""
     a = np.ascontiguousarray(a, dtype=np.float32)
-    b = np.ascontiguousarray(np.broadcast_to(b, a.shape), dtype=np.float32)
+    b = np.ascontiguousarray(b if b.shape == a.shape else np.broadcast_to(b, a.shape), dtype=np.float32)
     t = np.empty_like(a)
     gelu_tanh_inner(a, t)
     np.tanh(t, out=t)
