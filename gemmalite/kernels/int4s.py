@@ -145,8 +145,9 @@ def round_i8_pairs(x, xq, xc, xd):
             xd[i, g] = d
 
 
-def activation_pairs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``x [T, k]`` float32 as `int4s_rows_dot` takes it (`round_i8_pairs`)."""
+@njit(**_JIT)
+def activation_pairs(x):
+    """``x [T, k]`` float32 as `int4s_rows_dot` takes it (`round_i8_pairs`): ``(xq, xc, xd)``."""
     t, k = x.shape
     npair = (k // 32 + 1) // 2
     xq = np.zeros((t, 64 * npair), dtype=np.int8)
@@ -367,10 +368,5 @@ def i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out):
 def i4s_matvec(packed, scales, x, rows_per_task, vnni, out):
     """`round_i8_pairs` of ``x [T, k]`` then `i4s_mvn_w4a8`: one call per product (a decode step
     makes hundreds; each call from Python costs microseconds)."""
-    t, k = x.shape
-    npair = (k // 32 + 1) // 2
-    xq = np.zeros((t, 64 * npair), dtype=np.int8)
-    xc = np.zeros((t, 2 * npair), dtype=np.int32)
-    xd = np.zeros((t, 2 * npair), dtype=np.float32)
-    round_i8_pairs(x, xq, xc, xd)
+    xq, xc, xd = activation_pairs(x)
     i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out)
