@@ -25,16 +25,22 @@ def model(request, tiny_dir, tmp_path_factory, gl):
     return gl.load(out, context=64)
 
 
+def _twins(eng, prompts) -> tuple[list, list]:
+    """Two states per prompt, each prefilled with it: one to step alone, one to step in a batch."""
+    solo, batch = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for p, a, b in zip(prompts, solo, batch):
+        eng.prefill(a, np.array(p))
+        eng.prefill(b, np.array(p))
+    return solo, batch
+
+
 def test_decode_batch_equals_decode_step(model):
     eng = model.engine
     vocab = model.config.vocab_size
     # five sequences at different lengths (one past the 16-token sliding window), so each row
     # attends to its own cache; five rows also crosses the 4-row fused-kernel chunk
     prompts = [random_ids(n, vocab, seed=n) for n in (1, 3, 7, 20, 11)]
-    solo, batch = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
-    for p, a, b in zip(prompts, solo, batch):
-        eng.prefill(a, np.array(p))
-        eng.prefill(b, np.array(p))
+    solo, batch = _twins(eng, prompts)
     rng = np.random.default_rng(0)
     for step in range(3):
         toks = [int(t) for t in rng.integers(5, vocab, size=len(prompts))]
@@ -133,10 +139,7 @@ def test_decode_batch_with_drafts_equals_decode_rows(model):
     eng = model.engine
     vocab = model.config.vocab_size
     prompts = [random_ids(n, vocab, seed=30 + n) for n in (5, 18, 2, 9)]
-    solo, batch = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
-    for p, a, b in zip(prompts, solo, batch):
-        eng.prefill(a, np.array(p))
-        eng.prefill(b, np.array(p))
+    solo, batch = _twins(eng, prompts)
     rng = np.random.default_rng(1)
     for step in range(2):
         runs = [int(rng.integers(5, vocab))] + [[int(t) for t in rng.integers(5, vocab, size=n)] for n in (4, 2, 3)]
