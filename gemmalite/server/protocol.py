@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime.generate import PROMPT_LOOKUP_DRAFTS
+from ..runtime.generate import prompt_lookup_drafts
 
 
 class APIError(Exception):
@@ -142,15 +142,15 @@ def generation(body: dict, limits: Limits) -> Generation:
 
 
 def prompt_lookup(body: dict) -> int | None:
-    """``prompt_lookup``: true (the default draft count), false, or a count of drafts per step."""
+    """``prompt_lookup``: true (the default draft count), false, or a count of drafts per step, read
+    as `Model.generate` reads it; None when absent (the server's default applies)."""
     v = body.get("prompt_lookup")
     if v is None:
         return None
-    if isinstance(v, bool):
-        return PROMPT_LOOKUP_DRAFTS if v else 0
-    if not _is_int(v) or v < 0:
-        raise bad(f"'prompt_lookup' must be a boolean or an integer >= 0, got {v!r}", "prompt_lookup")
-    return v
+    try:
+        return prompt_lookup_drafts(v)
+    except ValueError as e:
+        raise bad(f"'prompt_lookup' must be a boolean or an integer >= 0: {e}", "prompt_lookup") from None
 
 
 def prediction_text(body: dict) -> str | None:

@@ -113,8 +113,8 @@ class DecoderGraph:
 
         The projections run on the ``[R, ·]`` stack with `Matrix.matmul_each`, so each weight is
         read once for the batch while every row gets exactly the numbers of a one-token step
-        (sequence ``b``'s rows are bit for bit ``forward(states[b], its rows, each=True)``'s);
-        attention and K/V writes are per sequence. Returns ``[R, H]``: every row, since a
+        (sequence ``b``'s row ``i`` is bit for bit ``forward`` of its token ``i`` alone, after the
+        ones before it); attention and K/V writes are per sequence. Returns ``[R, H]``: every row, since a
         verification step needs the logits of each."""
         counts = [1] * len(states) if counts is None else [int(n) for n in counts]
         for s, n in zip(states, counts):
