@@ -290,9 +290,6 @@ class HalfMatrix(Matrix):
         half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
         return out
 
-    def uses_blas_for(self, rows: int) -> bool:
-        return False
-
     def __repr__(self):
         return f"HalfMatrix{self.shape}({'bfloat16' if self._bf16 else 'float16'})"
 
