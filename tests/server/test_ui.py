@@ -25,7 +25,8 @@ from live_server import KEY, LiveServer
 
 CHROMIUM = os.environ.get("GEMMALITE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--mute-audio"]
+         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--mute-audio",
+         "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]  # a beeping microphone
 MODEL_ID, EMB_ID = "tiny-vision", "eg2-tiny"
 PAYLOAD = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"> <b>bold</b> &amp; done'
 SYSTEM, FIRST, SECOND = "Be brief.", "Hello there", "And then?"
@@ -99,12 +100,14 @@ class ScriptedEngine:
 
 
 class ScriptedModel:
-    """The model with a `ScriptedEngine` and no vision tower, for a server of its own."""
+    """The model with a `ScriptedEngine` and no vision tower, for a server of its own. It claims an
+    audio tower, so that the page offers audio (whose requests the audio test catches in the browser)."""
 
     def __init__(self, model, script: list[int], delay: float):
         self._model = model
         self.engine = ScriptedEngine(model.engine, script, delay)
         self.vision = None
+        self.audio = object()
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -196,7 +199,7 @@ class Page:
     """One fresh browser context (its own localStorage) on a server, recording console errors."""
 
     def __init__(self, browser, server, shots, key=None):
-        self.ctx = browser.new_context(viewport={"width": 1200, "height": 800})
+        self.ctx = browser.new_context(viewport={"width": 1200, "height": 800}, permissions=["microphone"])
         self.page = self.ctx.new_page()
         self.errors: list[str] = []
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"{m.text} @ {m.location}"))
@@ -267,9 +270,12 @@ def test_page_and_capabilities_are_served(live, scripted, model):
     assert status == 200 and (caps["model"], caps["embedder"], caps["context"]) == (MODEL_ID, EMB_ID, 512)
     assert (caps["vision"], caps["audio"], caps["embeddings"]) == (True, False, True)
     caps = scripted.raw("GET", "/v1/capabilities")[2]
-    assert (caps["vision"], caps["embeddings"], caps["embedder"]) == (False, False, None)
+    assert (caps["vision"], caps["audio"], caps["embeddings"], caps["embedder"]) == (False, True, False, None)
     paths = {getattr(r, "path", None) for r in build_app(model, ui=False).routes}
-    assert "/v1/chat/completions" in paths and not {"/", "/ui/app.js"} & paths  # --no-ui
+    assert "/v1/chat/completions" in paths and not {"/", "/ui/app.js"} & paths
+    from gemmalite.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "M"]).ui and not build_parser().parse_args(["serve", "M", "--no-ui"]).ui
 
 
 def test_key_prompt_under_api_key(live, open_page):
@@ -380,6 +386,7 @@ def test_embeddings_tab_ranks_the_near_duplicate_first(live, embedder, open_page
 def test_model_markup_shows_as_text(scripted, script_ids, open_page):
     p = open_page(scripted, key=None).ready()
     assert not p.page.is_visible("#image-label") and not p.page.is_visible("#tab-embed")  # what the model cannot take
+    assert p.page.is_visible("#audio-label") and p.page.is_visible("#record")
     p.page.evaluate("document.addEventListener('securitypolicyviolation', e => "
                     "(window.__violations = window.__violations || []).push([e.violatedDirective, e.blockedURI]))")
     p.settings(max_tokens=str(len(script_ids)))
@@ -474,3 +481,45 @@ def test_wav_encoder_matches_soundfile(scripted, open_page):
     c = np.clip(x.astype(np.float32).astype(np.float64), -1, 1)
     assert rate == 16000 and data.ndim == 1
     np.testing.assert_array_equal(data, np.floor(np.where(c < 0, c * 32768, c * 32767) + 0.5).astype(np.int16))
+
+
+def test_audio_file_and_recording_are_sent_as_input_audio(scripted, open_page, tmp_path):
+    """An audio file goes as it is, a recording (Chromium's fake microphone) as 16 kHz mono WAV, both
+    as OpenAI ``input_audio`` parts. The requests are caught in the browser: audio support in the
+    server is not ours to test here."""
+    sf = pytest.importorskip("soundfile")
+    clip = tmp_path / "clip.wav"
+    sf.write(clip, (np.sin(np.arange(8000) / 5.0) * 0.5).astype(np.float32), 16000, subtype="PCM_16")
+    bodies = []
+
+    def catch(route):
+        bodies.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=(
+            'data: {"choices": [{"index": 0, "delta": {"content": "heard"}, "finish_reason": "stop"}]}\n\n'
+            "data: [DONE]\n\n"))
+
+    p = open_page(scripted, key=None).ready()
+    p.page.route("**/v1/chat/completions", catch)
+    p.page.set_input_files("#audio-input", str(clip))
+    p.page.wait_for_selector("#attachments .chip.audio")
+    p.send("What is said?")
+    assert p.reply(1)[0] == "heard"
+    p.page.click("#record")
+    p.page.wait_for_selector("#record:text('Stop recording')")
+    time.sleep(1.0)
+    p.page.click("#record")
+    p.page.wait_for_selector("#attachments .chip.audio")
+    p.shot("12-recording-attached")
+    p.send("And this?")
+    assert p.reply(3)[0] == "heard"
+    p.shot("13-audio-sent")
+    assert len(bodies) == 2 and p.errors == []
+    part = bodies[0]["messages"][-1]["content"][0]
+    assert part == {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip.read_bytes()).decode(),
+                                                           "format": "wav"}}
+    part = bodies[1]["messages"][-1]["content"][0]
+    assert part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
+    assert rate == 16000 and samples.ndim == 1 and 0.5 < len(samples) / rate < 5
+    assert np.abs(samples).max() > 0.01  # the fake microphone's beep, not silence
+    assert bodies[1]["messages"][:2] == [bodies[0]["messages"][0], {"role": "assistant", "content": "heard"}]  # history

@@ -551,6 +551,7 @@ function showTab(name) {
   for (const b of document.querySelectorAll(".tab")) b.classList.toggle("active", b.dataset.tab === name);
   $("chat-view").hidden = name !== "chat";
   $("embed-view").hidden = name !== "embed";
+  $("settings").hidden = name !== "chat";
 }
 
 // -- wiring -----------------------------------------------------------------------------------
