@@ -116,7 +116,6 @@ class ScriptedModel:
 # -- fixtures ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, gl):
-    _need_browser()
     from gemmalite.tools.synth import synth
 
     return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny-vision"), vision=True, progress=False), context=512)
