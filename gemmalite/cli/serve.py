@@ -24,6 +24,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--prompt-lookup", action="store_true",
                    help="prompt-lookup decoding for requests that do not set 'prompt_lookup' themselves: same "
                         "output, faster on replies that quote the prompt")
+    p.add_argument("--no-ui", dest="ui", action="store_false", help="no chat page at / (the API only)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -58,7 +59,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     app = build_app(model, embedder, model_id=a.model_name or _name(a.model),
                     embedder_id=_name(a.embedder) if a.embedder else None, api_key=a.api_key,
                     max_concurrency=a.max_concurrency, max_queue=a.max_queue, prefix_cache=a.prefix_cache,
-                    limits=Limits(max_tokens=a.max_tokens), prompt_lookup=a.prompt_lookup)
+                    limits=Limits(max_tokens=a.max_tokens), prompt_lookup=a.prompt_lookup, ui=a.ui)
     # what loading left behind lives as long as the server: out of the cyclic collector's sight, its
     # full collections no longer walk it (they cost a request ~15-30 ms of its time to first token)
     gc.collect()

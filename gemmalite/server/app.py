@@ -32,6 +32,7 @@ from .metrics import Metrics
 from .protocol import (APIError, Generation, Limits, bad, chat_messages, completion_prompt, embedding_inputs,
                        generation, opt_int, require_model)
 from .scheduler import Finish, Overloaded, Piece, Scheduler, Sequence
+from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
 
@@ -315,6 +316,21 @@ class Server:
                 return JSONResponse(card)
         raise APIError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
 
+    async def capabilities(self, request: Request) -> Response:
+        """What the loaded checkpoints take, so that a client (the chat page) offers only that."""
+        lim = self.limits
+        return JSONResponse({
+            "model": self.model_id, "embedder": self.embedder_id, "context": self.context,
+            "vision": self.model.vision is not None,
+            "audio": getattr(self.model, "audio", None) is not None,
+            "embeddings": self.embedder is not None,
+            # replies parsed into reasoning_content / tool_calls: not yet (the server refuses `tools`)
+            "thinking": False, "tools": False,
+            "limits": {"max_tokens": lim.max_tokens, "max_images": lim.max_images,
+                       "max_image_bytes": lim.max_image_bytes, "max_inputs": lim.max_inputs,
+                       "max_body_bytes": lim.max_body_bytes},
+        })
+
     async def health(self, request: Request) -> Response:
         if not self.scheduler.alive:
             return JSONResponse({"status": "error", "detail": "scheduler stopped"}, status_code=503)
@@ -332,8 +348,9 @@ def _usage(ev: Finish) -> dict:
                                           "rejected_prediction_tokens": ev.drafted - ev.accepted}}
 
 
-def build_app(model, embedder=None, **options: Any) -> Starlette:
-    """The Starlette app serving ``model`` (and ``embedder``); options go to `Server`."""
+def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starlette:
+    """The Starlette app serving ``model`` (and ``embedder``); ``ui``: the chat page at ``/``;
+    options go to `Server`."""
     srv = Server(model, embedder, **options)
 
     @asynccontextmanager
@@ -355,10 +372,11 @@ def build_app(model, embedder=None, **options: Any) -> Starlette:
         srv.route("/v1/completions", srv.completions, ["POST"]),
         srv.route("/v1/embeddings", srv.embeddings, ["POST"]),
         srv.route("/v1/models", srv.models, ["GET"]),
+        srv.route("/v1/capabilities", srv.capabilities, ["GET"]),
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),
         srv.route("/health", srv.health, ["GET"], auth=False),
         srv.route("/metrics", srv.metrics_text, ["GET"]),
-    ]
+    ] + (ui_routes() if ui else [])
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.server = srv
     return app

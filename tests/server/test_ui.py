@@ -1,0 +1,524 @@
+"""The chat page at ``gemmalite serve``'s root, driven in a real headless Chromium (Debian's
+``chromium``, through Playwright's Python package; never a browser that Playwright downloads).
+
+Two live servers: a tiny Gemma 4 with a vision tower, an EmbeddingGemma 2 and ``--api-key``
+(every weight random); and the same model behind a scripted engine whose logits spell a fixed
+reply (markup, for the escaping test) one slow step at a time (for the stop test). The oracles
+are the API's own reply with the page's settings and `ChatSession.chat` / `Embedder.embed` on the
+same models, computed before the servers serve. A screenshot of each state goes to
+$GEMMALITE_SCREENSHOTS (or a folder in pytest's tmp dir), named at the end of the run.
+
+Skipped when chromium or playwright is absent, except under CI (CI=true), where that fails."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from live_server import KEY, LiveServer
+
+CHROMIUM = os.environ.get("GEMMALITE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--mute-audio",
+         "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]  # a beeping microphone
+MODEL_ID, EMB_ID = "tiny-vision", "eg2-tiny"
+PAYLOAD = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"> <b>bold</b> &amp; done'
+SYSTEM, FIRST, SECOND = "Be brief.", "Hello there", "And then?"
+QUESTION = "What is in this picture?"
+
+
+def _need_browser():
+    why = None
+    if not Path(CHROMIUM).exists():
+        why = f"no chromium at {CHROMIUM} (apt-get install chromium)"
+    else:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            why = "the playwright package is not installed (pip install -e '.[test]')"
+    if why and os.environ.get("CI") == "true":
+        pytest.fail(f"browser tests need a browser under CI: {why}")
+    if why:
+        pytest.skip(why)
+
+
+def _png(h: int, w: int, seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+PICS = {"a": _png(50, 90, 0), "b": _png(120, 40, 1)}
+
+
+# -- a scripted engine: the real one's KV states, logits that spell a fixed reply -----------------
+class ScriptedEngine:
+    """Every reply is ``script`` (token ids) over and over, whatever the prompt; each decode step
+    also sleeps ``delay`` seconds. The real engine still runs, so the KV states the scheduler
+    caches and reuses are real ones."""
+
+    def __init__(self, engine, script: list[int], delay: float):
+        self.engine, self.script, self.delay = engine, script, delay
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _forced(self, nxt: list[int]) -> np.ndarray:
+        out = np.zeros((len(nxt), self.engine.vocab_size), np.float32)
+        out[np.arange(len(nxt)), nxt] = 20.0
+        return out
+
+    def prefill(self, state, ids, soft=None):
+        h = self.engine.prefill(state, ids, soft)
+        state.reply_start = state.length
+        return h
+
+    def prefill_many(self, states, prompts):
+        h = self.engine.prefill_many(states, prompts)
+        for s in states:
+            s.reply_start = s.length
+        return h
+
+    def logits(self, h, each=False):
+        return self._forced([self.script[0]] * len(h))
+
+    def decode_batch(self, states, tokens):
+        done = [s.length - s.reply_start for s in states]  # reply tokens already in each state
+        self.engine.decode_batch(states, tokens)
+        time.sleep(self.delay)
+        nxt = [self.script[(k + j + 1) % len(self.script)]
+               for s, k, t in zip(states, done, tokens) for j in range(len(np.atleast_1d(t)))]
+        return self._forced(nxt)
+
+
+class ScriptedModel:
+    """The model with a `ScriptedEngine` and no vision tower, for a server of its own. It claims an
+    audio tower, so that the page offers audio (whose requests the audio test catches in the browser)."""
+
+    def __init__(self, model, script: list[int], delay: float):
+        self._model = model
+        self.engine = ScriptedEngine(model.engine, script, delay)
+        self.vision = None
+        self.audio = object()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, gl):
+    from gemmalite.tools.synth import synth
+
+    return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny-vision"), vision=True, progress=False), context=512)
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory, gl):
+    from gemmalite.tools.synth_eg2 import synth_eg2
+
+    return gl.load_embedder(synth_eg2("eg2-tiny", tmp_path_factory.mktemp("eg2"), progress=False))
+
+
+def _turn(text, pic=None):
+    return {"role": "user", "content": text if pic is None else [{"type": "image", "image": PICS[pic]},
+                                                                  {"type": "text", "text": text}]}
+
+
+@pytest.fixture(scope="module")
+def refs(model):
+    """`ChatSession.chat` (greedy) of every conversation the tests type, before any serving."""
+    def chat(msgs, n):
+        return model.session().chat(msgs, max_new_tokens=n, temperature=0)
+
+    out = {"first": chat([{"role": "system", "content": SYSTEM}, _turn(FIRST)], 12)}
+    out["second"] = chat([{"role": "system", "content": SYSTEM}, _turn(FIRST),
+                          {"role": "assistant", "content": out["first"]}, _turn(SECOND)], 12)
+    for pic in PICS:
+        out[pic] = chat([_turn(QUESTION, pic)], 8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(model, embedder, refs):
+    from gemmalite.server import build_app
+
+    s = LiveServer(build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY, max_concurrency=4))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def script_ids(model):
+    ids = [int(i) for i in model.tokenizer.encode(PAYLOAD, add_special_tokens=False)]
+    assert model.tokenizer.decode(ids) == PAYLOAD  # the reply the scripted engine spells is the payload
+    return ids
+
+
+@pytest.fixture(scope="module")
+def scripted(model, script_ids, refs):
+    from gemmalite.server import build_app
+
+    s = LiveServer(build_app(ScriptedModel(model, script_ids, delay=0.03), model_id="scripted"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory, request):
+    folder = Path(os.environ.get("GEMMALITE_SCREENSHOTS") or tmp_path_factory.mktemp("ui-screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\nchat page screenshots: {folder}")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _need_browser()
+    from playwright.sync_api import sync_playwright
+
+    # launch() starts the browser on a fresh temporary profile (--user-data-dir) of its own
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield b
+        b.close()
+
+
+class Page:
+    """One fresh browser context (its own localStorage) on a server, recording console errors."""
+
+    def __init__(self, browser, server, shots, key=None):
+        self.ctx = browser.new_context(viewport={"width": 1200, "height": 800}, permissions=["microphone"])
+        self.page = self.ctx.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"{m.text} @ {m.location}"))
+        self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        self.url = f"http://127.0.0.1:{server.port}/"
+        self.shots = shots
+        if key is not None:
+            self.page.add_init_script(f"localStorage.setItem('gemmalite.key', {json.dumps(key)})")
+        self.page.goto(self.url)
+
+    def ready(self):
+        self.page.wait_for_selector("body[data-ready='1']", timeout=20000)
+        return self
+
+    def shot(self, name):
+        self.page.screenshot(path=str(self.shots / f"{name}.png"), full_page=True)
+
+    def settings(self, temperature="0", max_tokens="12", system=""):
+        self.page.fill("#temperature", temperature)
+        self.page.fill("#max_tokens", max_tokens)
+        self.page.fill("#system", system)
+
+    def send(self, text):
+        self.page.fill("#input", text)
+        self.page.press("#input", "Enter")
+
+    def reply(self, index, timeout=60000):
+        sel = f".msg.assistant[data-index='{index}'][data-done='1']"
+        node = self.page.wait_for_selector(sel, timeout=timeout)
+        return node.eval_on_selector(".content", "e => e.textContent"), node
+
+    def texts(self):
+        return self.page.eval_on_selector_all(".msg .content", "es => es.map(e => e.textContent)")
+
+    def close(self):
+        self.ctx.close()
+
+
+@pytest.fixture
+def open_page(browser, shots):
+    pages = []
+
+    def make(server, key=KEY):
+        p = Page(browser, server, shots, key)
+        pages.append(p)
+        return p
+
+    yield make
+    for p in pages:
+        p.close()
+
+
+# -- tests --------------------------------------------------------------------------------------------
+def test_page_and_capabilities_are_served(live, scripted, model):
+    from gemmalite.server import build_app
+    from gemmalite.server.ui import CSP
+
+    status, headers, body = live.raw("GET", "/", key=None)  # the page itself needs no key
+    assert status == 200 and headers["content-type"].startswith("text/html") and "/ui/app.js" in body
+    assert headers["content-security-policy"] == CSP and headers["x-content-type-options"] == "nosniff"
+    for d in ("default-src 'self'", "script-src 'self'", "connect-src 'self'", "object-src 'none'"):
+        assert d in CSP
+    assert "unsafe-inline" not in CSP and "unsafe-eval" not in CSP and "http" not in CSP and "*" not in CSP
+    status, headers, _ = live.raw("GET", "/ui/app.js", key=None)
+    assert status == 200 and headers["content-type"].startswith("text/javascript")
+    assert live.raw("GET", "/v1/capabilities", key=None)[0] == 401  # the API still needs it
+    status, _, caps = live.raw("GET", "/v1/capabilities")
+    assert status == 200 and (caps["model"], caps["embedder"], caps["context"]) == (MODEL_ID, EMB_ID, 512)
+    assert (caps["vision"], caps["audio"], caps["embeddings"]) == (True, False, True)
+    caps = scripted.raw("GET", "/v1/capabilities")[2]
+    assert (caps["vision"], caps["audio"], caps["embeddings"], caps["embedder"]) == (False, True, False, None)
+    paths = {getattr(r, "path", None) for r in build_app(model, ui=False).routes}
+    assert "/v1/chat/completions" in paths and not {"/", "/ui/app.js"} & paths
+    from gemmalite.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "M"]).ui and not build_parser().parse_args(["serve", "M", "--no-ui"]).ui
+
+
+def test_key_prompt_under_api_key(live, open_page):
+    p = open_page(live, key=None)
+    p.page.wait_for_selector("#key-dialog[open]")
+    p.shot("01-key-prompt")
+    p.page.fill("#key-input", "wrong-key")
+    p.page.click("#key-submit")
+    p.page.wait_for_selector("#key-error:not([hidden])")
+    assert "refused" in p.page.text_content("#key-error")
+    p.shot("02-key-refused")
+    p.page.fill("#key-input", KEY)
+    p.page.click("#key-submit")
+    p.ready()
+    assert not p.page.is_visible("#key-dialog") and p.page.text_content("#model-name") == MODEL_ID
+    assert p.page.evaluate("localStorage.getItem('gemmalite.key')") == KEY
+    # the browser logs each refused request; nothing else went wrong
+    assert all("401" in e and "/v1/capabilities" in e for e in p.errors), p.errors
+
+
+def test_chat_streams_the_api_reply(live, refs, open_page):
+    p = open_page(live).ready()
+    p.shot("03-empty")
+    assert p.page.is_visible("#image-label") and not p.page.is_visible("#audio-label")
+    assert not p.page.is_visible("#record") and not p.page.is_visible("#think-label")
+    p.settings(system=SYSTEM)
+    p.send(FIRST)
+    text, node = p.reply(1)
+    api = live.client().chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}],
+        temperature=0, top_p=0.95, max_tokens=12)
+    assert text == api.choices[0].message.content == refs["first"]
+    assert int(node.get_attribute("data-chunks")) > 1  # streamed, not one piece
+    p.send(SECOND)
+    assert p.reply(3)[0] == refs["second"]  # the conversation so far went with it
+    p.shot("04-conversation")
+    p.page.reload()  # kept in localStorage
+    p.ready()
+    assert p.texts() == [FIRST, refs["first"], SECOND, refs["second"]]
+    chats = '{endpoint="/v1/chat/completions",status="200"}'
+    before = live.metric("gemmalite_requests_total", chats)
+    p.page.click("#regenerate")  # the last reply is dropped and asked for again
+    assert p.reply(3)[0] == refs["second"] and len(p.texts()) == 4
+    assert live.metric("gemmalite_requests_total", chats) == before + 1
+    p.page.click("#clear")
+    assert p.texts() == [] and p.page.evaluate("localStorage.getItem('gemmalite.chat')") is None
+    p.page.reload()
+    p.ready()
+    assert p.texts() == []
+    assert p.errors == []
+
+
+def _attach_js(kind: str) -> str:
+    """Script that pastes or drops a PNG (base64 argument) into the page, as a user would."""
+    make = "const b = Uint8Array.from(atob(data), c => c.charCodeAt(0)); const dt = new DataTransfer();" \
+           "dt.items.add(new File([b], 'pic.png', {type: 'image/png'}));"
+    if kind == "paste":
+        return f"data => {{ {make} document.getElementById('input').dispatchEvent(" \
+               "new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true})); }"
+    return f"data => {{ {make} const v = document.getElementById('chat-view');" \
+           "v.dispatchEvent(new DragEvent('dragover', {dataTransfer: dt, bubbles: true, cancelable: true}));" \
+           "v.dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true})); }"
+
+
+def test_picture_reaches_the_model(live, refs, open_page, tmp_path):
+    p = open_page(live).ready()
+    p.settings(max_tokens="8")
+    (tmp_path / "a.png").write_bytes(PICS["a"])
+    p.page.set_input_files("#image-input", str(tmp_path / "a.png"))  # the file picker
+    p.page.wait_for_selector("#attachments .chip.image")
+    p.page.fill("#input", QUESTION)
+    p.shot("05-picture-attached")
+    p.page.press("#input", "Enter")
+    assert p.reply(1)[0] == refs["a"]
+    assert p.page.eval_on_selector(".msg.user .thumb", "e => e.src").startswith("data:image/png;base64,")
+    p.shot("06-picture-reply")
+    for kind, pic in (("paste", "b"), ("drop", "a")):
+        p.page.click("#clear")
+        p.page.evaluate(_attach_js(kind), base64.b64encode(PICS[pic]).decode())
+        p.page.wait_for_selector("#attachments .chip.image")
+        p.send(QUESTION)
+        assert p.reply(1)[0] == refs[pic], kind
+    assert p.errors == []
+
+
+def test_embeddings_tab_ranks_the_near_duplicate_first(live, embedder, open_page):
+    docs = ["Oceans are blue and deep.", "The quick brown fox jumps over the lazy dog!", "Mars is a red planet.",
+            "Bread rises with yeast.", "A list of prime numbers: 2, 3, 5, 7, 11."]
+    query = "The quick brown fox jumps over the lazy dog"
+    vecs = embedder.embed([query] + docs)
+    want = (vecs[1:] @ vecs[0]) / (np.linalg.norm(vecs[1:], axis=1) * np.linalg.norm(vecs[0]))
+    order = np.argsort(-want)
+    assert docs[order[0]] == docs[1]  # the planted near-duplicate is the oracle's first
+    p = open_page(live).ready()
+    p.page.click("#tab-embed")
+    p.page.fill("#embed-docs", "\n".join(docs))
+    p.page.fill("#embed-query", query)
+    p.page.click("#embed-rank")
+    p.page.wait_for_selector("#embed-results li")
+    got = p.page.eval_on_selector_all("#embed-results li", "ls => ls.map(l => [l.querySelector('.doc').textContent,"
+                                                            " Number(l.dataset.score)])")
+    assert [g[0] for g in got] == [docs[k] for k in order]
+    np.testing.assert_allclose([g[1] for g in got], want[order], atol=1e-5)
+    p.shot("07-embeddings")
+    assert p.errors == []
+
+
+def test_model_markup_shows_as_text(scripted, script_ids, open_page):
+    p = open_page(scripted, key=None).ready()
+    assert not p.page.is_visible("#image-label") and not p.page.is_visible("#tab-embed")  # what the model cannot take
+    assert p.page.is_visible("#audio-label") and p.page.is_visible("#record")
+    p.page.evaluate("document.addEventListener('securitypolicyviolation', e => "
+                    "(window.__violations = window.__violations || []).push([e.violatedDirective, e.blockedURI]))")
+    p.settings(max_tokens=str(len(script_ids)))
+    p.send(PAYLOAD)  # the user's own words are model-independent text too
+    text, _ = p.reply(1)
+    assert text == PAYLOAD and p.texts() == [PAYLOAD, PAYLOAD]
+    p.page.reload()  # and again from localStorage
+    p.ready()
+    p.page.evaluate("document.addEventListener('securitypolicyviolation', e => "
+                    "(window.__violations = window.__violations || []).push([e.violatedDirective, e.blockedURI]))")
+    assert p.texts() == [PAYLOAD, PAYLOAD]
+    p.shot("08-markup-as-text")
+    assert p.page.eval_on_selector_all("#messages script, #messages img, #messages b", "es => es.length") == 0
+    assert p.page.evaluate("window.__pwned") is None and p.page.title() == "gemmalite"
+    assert p.page.evaluate("window.__violations || []") == [] and p.errors == []
+    # and the policy is in force: an inline script put into the page does not run
+    p.page.evaluate("() => { const s = document.createElement('script'); s.textContent = 'window.__inline = 1';"
+                    " document.body.append(s); }")
+    p.page.wait_for_function("() => (window.__violations || []).length > 0")
+    assert p.page.evaluate("window.__inline") is None
+    assert [d.split()[0] for d, uri in p.page.evaluate("window.__violations")] == ["script-src-elem"]
+    assert p.page.evaluate("window.__violations")[0][1] == "inline"
+
+
+def test_stop_halts_the_reply(scripted, script_ids, model, open_page):
+    steps = 400  # of 30 ms: ~12 s if never stopped
+    full = model.tokenizer.decode((script_ids * steps)[:steps])
+    p = open_page(scripted, key=None).ready()
+    p.settings(max_tokens=str(steps))
+    p.send("Go on")
+    p.page.wait_for_function("() => document.querySelector('.msg.assistant .content')?.textContent.length > 10")
+    p.shot("09-streaming")
+    p.page.click("#stop")
+    text, node = p.reply(1, timeout=5000)
+    assert full.startswith(text) and 10 < len(text) < len(full) / 2
+    assert node.query_selector(".finish").text_content() == "(stopped)"
+    assert p.page.is_visible("#send") and not p.page.is_visible("#stop")
+    t0 = time.time()
+    while scripted.srv.scheduler.active and time.time() - t0 < 5:  # the server let the sequence go
+        time.sleep(0.05)
+    assert not scripted.srv.scheduler.active
+    time.sleep(0.3)
+    assert p.reply(1)[0] == text  # nothing more arrived
+    p.shot("10-stopped")
+    assert p.errors == []
+
+
+def test_thinking_and_tool_calls_render_apart(scripted, open_page):
+    """Streams in OpenAI's shape with ``delta.reasoning_content`` and ``delta.tool_calls`` (routed to
+    the page by the browser: this server does not parse thoughts or tool calls yet): the thought is
+    folded apart from the answer, the call shown as a call with its joined arguments."""
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "scripted"}
+
+    def chunk(delta, finish=None):
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    call = [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
+    body = "".join([
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "The user wants <b>weather</b>; "}),
+        chunk({"reasoning_content": "call the tool."}),
+        chunk({"content": "Let me check."}),
+        chunk({"tool_calls": call}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Par'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'is", "unit": "C"}'}}]}),
+        chunk({}, "tool_calls"), "data: [DONE]\n\n"])
+    p = open_page(scripted, key=None).ready()
+    p.page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    p.send("Weather in Paris?")
+    text, node = p.reply(1)
+    assert text == "Let me check."
+    details = node.query_selector("details.thinking")
+    assert details.get_attribute("open") is None  # folded
+    assert details.query_selector(".text").text_content() == "The user wants <b>weather</b>; call the tool."
+    assert node.query_selector(".tool-name").text_content() == "Tool call: get_weather  (call_1)"
+    assert json.loads(node.query_selector(".tool-args").text_content()) == {"city": "Paris", "unit": "C"}
+    assert node.query_selector(".finish").text_content() == "(tool calls)"
+    details.click()
+    p.shot("11-thinking-and-tool-call")
+    assert p.errors == []
+
+
+def test_wav_encoder_matches_soundfile(scripted, open_page):
+    """The page's recorder encodes to 16-bit mono WAV: soundfile reads back the rounded samples."""
+    sf = pytest.importorskip("soundfile")
+    x = np.concatenate([[-1.5, -1.0, -0.5, 0.0, 0.25, 1.0, 2.0], np.sin(np.arange(500) / 7.0) * 0.8])
+    p = open_page(scripted, key=None).ready()
+    wav = bytes(p.page.evaluate("xs => Array.from(window.gemmaliteUI.encodeWav(Float32Array.from(xs), 16000))",
+                                x.tolist()))
+    data, rate = sf.read(io.BytesIO(wav), dtype="int16")
+    c = np.clip(x.astype(np.float32).astype(np.float64), -1, 1)
+    assert rate == 16000 and data.ndim == 1
+    np.testing.assert_array_equal(data, np.floor(np.where(c < 0, c * 32768, c * 32767) + 0.5).astype(np.int16))
+
+
+def test_audio_file_and_recording_are_sent_as_input_audio(scripted, open_page, tmp_path):
+    """An audio file goes as it is, a recording (Chromium's fake microphone) as 16 kHz mono WAV, both
+    as OpenAI ``input_audio`` parts. The requests are caught in the browser: audio support in the
+    server is not ours to test here."""
+    sf = pytest.importorskip("soundfile")
+    clip = tmp_path / "clip.wav"
+    sf.write(clip, (np.sin(np.arange(8000) / 5.0) * 0.5).astype(np.float32), 16000, subtype="PCM_16")
+    bodies = []
+
+    def catch(route):
+        bodies.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=(
+            'data: {"choices": [{"index": 0, "delta": {"content": "heard"}, "finish_reason": "stop"}]}\n\n'
+            "data: [DONE]\n\n"))
+
+    p = open_page(scripted, key=None).ready()
+    p.page.route("**/v1/chat/completions", catch)
+    p.page.set_input_files("#audio-input", str(clip))
+    p.page.wait_for_selector("#attachments .chip.audio")
+    p.send("What is said?")
+    assert p.reply(1)[0] == "heard"
+    p.page.click("#record")
+    p.page.wait_for_selector("#record:text('Stop recording')")
+    time.sleep(1.0)
+    p.page.click("#record")
+    p.page.wait_for_selector("#attachments .chip.audio")
+    p.shot("12-recording-attached")
+    p.send("And this?")
+    assert p.reply(3)[0] == "heard"
+    p.shot("13-audio-sent")
+    assert len(bodies) == 2 and p.errors == []
+    part = bodies[0]["messages"][-1]["content"][0]
+    assert part == {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip.read_bytes()).decode(),
+                                                           "format": "wav"}}
+    part = bodies[1]["messages"][-1]["content"][0]
+    assert part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
+    assert rate == 16000 and samples.ndim == 1 and 0.5 < len(samples) / rate < 5
+    assert np.abs(samples).max() > 0.01  # the fake microphone's beep, not silence
+    assert bodies[1]["messages"][:2] == [bodies[0]["messages"][0], {"role": "assistant", "content": "heard"}]  # history
