@@ -3,5 +3,6 @@ Gemma 4 chat and EmbeddingGemma 2). soundfile / soxr are imported only when a fi
 a clip resampled (the ``audio`` extra)."""
 from .decode import SAMPLE_RATE, load_audio
 from .features import log_mel, soft_token_count
+from .tower import AudioConfig, AudioTower, build_audio_tower
 
-__all__ = ["SAMPLE_RATE", "load_audio", "log_mel", "soft_token_count"]
+__all__ = ["SAMPLE_RATE", "AudioConfig", "AudioTower", "build_audio_tower", "load_audio", "log_mel", "soft_token_count"]
