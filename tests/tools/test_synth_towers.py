@@ -70,3 +70,61 @@ def test_synth_eg2_tiny_with_towers_loads_in_transformers(tmp_path):
     assert all(i[0] == 2 and i[-1] == 1 for i in ids)
     ref = o.ref_embed_ids(model.language_model, ids)
     assert o.cosine_rows(ref, load_embedder(path).embed(texts)).min() >= 0.99999
+
+
+@pytest.mark.parametrize("preset", ["e2b", "e4b"])
+def test_gemma4_audio_contract_is_transformers(preset):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = text_config(preset)
+    cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=audio_config("real"))
+    with torch.device("meta"):
+        model = Gemma4ForConditionalGeneration(cfg)
+    want = {k: v for k, v in _meta_shapes(model).items() if k.startswith(("model.audio_tower.", "model.embed_audio."))}
+    assert audio_tower_shapes(audio_config("real"), text["hidden_size"], "model.audio_tower.",
+                              "model.embed_audio.") == want
+
+
+@pytest.mark.parametrize("preset", ["tiny", "eg2-tiny"])
+def test_tiny_audio_towers_run_as_transformers(preset, tmp_path):
+    """The toy audio towers of `synth` run, and give what transformers' Gemma4AudioModel +
+    embed_audio give on the same (bf16) weights, loaded strictly from the folder."""
+    import audio_oracle as ao
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4AudioConfig, Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
+
+    from gemmalite.audio import build_audio_tower
+    from gemmalite.formats.folder import read_config, read_tensors
+    from gemmalite.tools.synth import synth
+
+    if preset == "tiny":
+        path, prefix = synth("tiny", tmp_path / "s", audio=True, progress=False), "model."
+    else:
+        path, prefix = synth_eg2("eg2-tiny", tmp_path / "s", progress=False), ""
+    raw = read_config(path)
+    tensors = read_tensors(path, raw)
+    acfg, text_hidden = raw["audio_config"], raw["text_config"]["hidden_size"]
+    hf_cfg = Gemma4AudioConfig(**{k: v for k, v in acfg.items() if k != "model_type"})
+    tower = Gemma4AudioModel(hf_cfg).eval()
+    embed = Gemma4MultimodalEmbedder(hf_cfg, Gemma4TextConfig(hidden_size=text_hidden)).eval()
+    for module, p in ((tower, prefix + "audio_tower."), (embed, prefix + "embed_audio.")):
+        state = {k[len(p):]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in tensors.items() if k.startswith(p)}
+        module.load_state_dict(state, strict=True)
+    x = ao.speechy(16000, 2)
+    fe = ao.feature_extractor()([x], return_tensors="pt")
+
+    class Inner(torch.nn.Module):  # what hf_audio_features calls
+        def __init__(self):
+            super().__init__()
+            self.audio_tower, self.embed_audio = tower, embed
+
+        def get_audio_features(self, feats, mask, return_dict=True):
+            out = self.audio_tower(feats, mask, return_dict=True)
+            out.pooler_output = self.embed_audio(out.last_hidden_state)
+            return out
+
+    inner = Inner()
+    ref64, ref32 = ao.hf_audio_features(inner, x), ao.hf_audio_features(inner, x, torch.float32)
+    ours = build_audio_tower(tensors, raw).encode(x)
+    assert ours.shape == ref64.shape == (25, text_hidden) and fe["input_features"].shape[1] == 99
+    assert np.abs(ours - ref64).max() <= 4 * np.abs(ref32 - ref64).max() + 1e-6
