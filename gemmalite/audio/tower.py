@@ -154,11 +154,12 @@ def _conv_stride2(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     to, fo = (t - 1) // 2 + 1, (f - 1) // 2 + 1
     xp = np.zeros((t + 2, f + 2, c), np.float32)
     xp[1:t + 1, 1:f + 1] = x
+    taps = [xp[a:a + 2 * to:2, b:b + 2 * fo:2].reshape(to * fo, c) for a in range(3) for b in range(3)]
+    if c == 1:  # the first layer: one product with the nine taps side by side
+        return (np.concatenate(taps, 1) @ w.reshape(w.shape[0], 9).T).reshape(to, fo, w.shape[0])
     out = np.zeros((to * fo, w.shape[0]), np.float32)
-    for a in range(3):
-        for b in range(3):
-            tap = np.ascontiguousarray(xp[a:a + 2 * to:2, b:b + 2 * fo:2]).reshape(to * fo, c)
-            out += tap @ np.ascontiguousarray(w[:, :, a, b].T)
+    for i, tap in enumerate(taps):
+        out += tap @ np.ascontiguousarray(w[:, :, i // 3, i % 3].T)
     return out.reshape(to, fo, w.shape[0])
 
 
