@@ -7,7 +7,10 @@ trimmed to ``ceil(n * 16000 / rate)`` samples. Arrays given at 16 kHz are taken 
 (int16 / int32 scaled to [-1, 1) as soundfile scales them, float converted to float32).
 
 Bad audio raises `AudioError` naming the problem; a file whose header claims more than
-``max_seconds`` is refused from the header, before anything is decoded.
+``max_seconds`` is refused from the header, before anything is decoded. A truncated file is one
+that decodes to fewer samples than its header claims (an MP3's header count is an estimate: 2 %
+slack) or, for WAV, whose data chunk claims more bytes than the file holds (libsndfile reads
+those without complaint).
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ from ..errors import AudioError
 SAMPLE_RATE = 16000
 MAX_CHANNELS = 32  # a 2-D array wider than this is taken for channel-first audio and refused
 _INT_SCALE = {np.dtype(np.int16): 2.0**15, np.dtype(np.int32): 2.0**31}
-#: mpg123 estimates an MP3's length from its header; a complete file may decode a frame or two short of it
-_MP3_SLACK = 2 * 1152
+#: an MP3's length in its header is an estimate (exact with a Xing / Info frame, as LAME writes):
+#: a complete file may decode a little short of it, so a cut is called one past this slack
+_MP3_SLACK_FRAMES, _MP3_SLACK_SHARE = 2 * 1152, 0.02
 
 AudioInput = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO, np.ndarray, tuple]
 
@@ -165,7 +169,7 @@ def load_audio(source: AudioInput, *, max_seconds: float | None = None) -> np.nd
         raise
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as e:
         raise AudioError(f"{where}: cannot decode the audio, not audio or truncated / corrupt ({e})") from None
-    slack = _MP3_SLACK if fmt == "MP3" else 0
+    slack = max(_MP3_SLACK_FRAMES, int(_MP3_SLACK_SHARE * frames)) if fmt == "MP3" else 0
     if x.shape[0] + slack < frames:
         raise AudioError(f"{where}: truncated {fmt} file (its header claims {frames} samples, {x.shape[0]} decoded)")
     if x.shape[1] == 0:

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import AudioError, CheckpointError, ConfigError
 from ..kernels.ops import rms_norm
 from ..models.gemma.build import QUANT_KINDS, matrix_factory
 from ..weights.clipped import CLIP_KEYS, Linear
@@ -211,11 +211,15 @@ class AudioTower:
         encoded exactly as the reference encodes a clip of that length, and the tokens
         concatenated; a window of 160 samples or fewer gives no tokens."""
         if isinstance(audio, tuple):
-            feats, valid = audio
-            return self.project(self.forward(np.asarray(feats, np.float32)[:int(valid)]))
+            feats, valid = np.asarray(audio[0]), audio[1]
+            if feats.ndim != 2 or feats.shape[1] != MEL_BINS or feats.dtype.kind != "f":
+                raise AudioError(f"features must be float [frames, {MEL_BINS}], got {feats.dtype} {feats.shape}")
+            if not 0 <= int(valid) <= feats.shape[0] or not np.isfinite(feats[:int(valid)]).all():
+                raise AudioError(f"features: {valid} valid frames of {feats.shape[0]}, or non-finite values")
+            return self.project(self.forward(feats[:int(valid)].astype(np.float32)))
         x = np.asarray(audio)
         if x.ndim != 1:
-            raise ValueError(f"encode takes 1-D samples or (features, valid_frames), got shape {x.shape}")
+            raise AudioError(f"encode takes 1-D samples or (features, valid_frames), got shape {x.shape}")
         parts = []
         for a, b in windows(x.shape[0]):
             feats, valid = log_mel(x[a:b])

@@ -12,7 +12,7 @@ import torch
 import audio_oracle as ao
 from gemmalite.audio.features import WINDOW_SAMPLES, log_mel, soft_token_count
 from gemmalite.audio.tower import build_audio_tower
-from gemmalite.errors import CheckpointError
+from gemmalite.errors import AudioError, CheckpointError
 from gemmalite.formats.folder import safetensors_files
 from gemmalite.formats.safetensors import read_safetensors
 
@@ -80,6 +80,15 @@ def test_short_clips_give_no_tokens(case):
     tower = build_audio_tower(case["tensors"], case["config"])
     for n in (1, 159, 160):
         assert tower.encode(np.zeros(n, np.float32)).shape == (0, tower.text_hidden_size)
+
+
+def test_bad_audio_for_the_tower(case):
+    tower = build_audio_tower(case["tensors"], case["config"])
+    feats, valid = log_mel(ao.speechy(4000))
+    for bad in (np.zeros((10, 2), np.float32), (feats[:, :64], valid), (feats, len(feats) + 1), (feats, -1),
+                (np.full_like(feats, np.nan), valid), (feats.astype(np.int32), valid)):
+        with pytest.raises(AudioError):
+            tower.encode(bad)
 
 
 def test_int8_soft_tokens(case):
