@@ -94,18 +94,20 @@ def _from_array(a: np.ndarray, rate: Any, max_seconds: float | None) -> np.ndarr
     return _finish(_resample(x, int(rate)), where)
 
 
-def _wav_truncation(head: bytes, size: int) -> str | None:
-    """For a RIFF/WAVE file of ``size`` bytes starting with ``head``: why it is truncated (its
-    ``data`` chunk claims more bytes than the file holds), else None. libsndfile reads such a
-    file without complaint, shortened to what is there."""
+def _wav_problem(head: bytes, size: int) -> str | None:
+    """For a RIFF/WAVE file of ``size`` bytes starting with ``head``: what is wrong with its header
+    that libsndfile would not say (a sample rate of 0: "SF_INFO struct incomplete") or would read
+    without complaint (a data chunk claiming more bytes than the file holds: truncated), else None."""
     if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
         return None
     pos = 12
     while pos + 8 <= len(head):
         tag, n = head[pos:pos + 4], struct.unpack("<I", head[pos + 4:pos + 8])[0]
+        if tag == b"fmt " and pos + 16 <= len(head) and struct.unpack("<I", head[pos + 12:pos + 16])[0] == 0:
+            return "a sample rate of 0 Hz in its header"
         if tag == b"data":
             if n not in (0, 0xFFFFFFFF) and pos + 8 + n > size:  # 0 / -1: a stream's size left unset
-                return f"its data chunk claims {n} bytes, the file holds {size - pos - 8}"
+                return f"truncated WAV file (its data chunk claims {n} bytes, the file holds {size - pos - 8})"
             return None
         pos += 8 + n + (n & 1)
     return None
@@ -155,15 +157,15 @@ def load_audio(source: AudioInput, *, max_seconds: float | None = None) -> np.nd
     target, where, head, size = _open(source)
     if size == 0:
         raise AudioError(f"{where}: empty file")
+    problem = _wav_problem(head, size)
+    if problem:
+        raise AudioError(f"{where}: {problem}")
     try:
         with sf.SoundFile(target) as f:
             rate, frames, fmt = f.samplerate, f.frames, f.format
             if rate <= 0:
                 raise AudioError(f"{where}: a sample rate of {rate} Hz")
             _check_length(frames / rate, max_seconds, where, "its header claims")
-            truncated = _wav_truncation(head, size) if fmt in ("WAV", "WAVEX") else None
-            if truncated:
-                raise AudioError(f"{where}: truncated WAV file ({truncated})")
             x = f.read(dtype="float32", always_2d=True)
     except AudioError:
         raise
