@@ -202,3 +202,19 @@ def test_int8_soft_tokens_on_the_integer_tiles(tmp_path, monkeypatch, vnni):
     wide = [m for m in tower.matrices() if m.shape[1] % 256 == 0]
     assert len(wide) == len(tower.matrices())
     assert all((m._corr is not None) == vnni for m in wide)  # the VNNI kernel ran on each, or none
+
+
+@pytest.mark.slow
+def test_real_shape_tower_matches_float64_reference():
+    """The published shape (transformers' default audio config: 12 layers, 1024 wide, 8 heads x
+    128, clipped linears; E2B's text width), every weight randomised (gentle), on a 3 s clip."""
+    from gemmalite.tools.synth import audio_config
+
+    acfg = audio_config("real")
+    inner = ao.StandaloneAudio(acfg, 1536)
+    ao.randomize_audio_weights([inner.audio_tower, inner.embed_audio], 11, gentle=True)
+    tower = build_audio_tower(inner.tensors(), {"audio_config": acfg, "text_config": {"hidden_size": 1536}})
+    x = ao.speechy(48000, 6)
+    ours = tower.encode(x)
+    assert ours.shape == (75, 1536)
+    _assert_matches(ours, ao.hf_audio_features(inner, x), ao.hf_audio_features(inner, x, torch.float32), "real")
