@@ -22,6 +22,11 @@ class ImageError(ValueError):
     or a mode / array layout with no RGB conversion."""
 
 
+class AudioError(ValueError):
+    """Audio cannot be used: not audio, truncated or corrupt, no samples, NaN / inf samples, an
+    unsupported sample format or array layout, a sample rate of 0, or longer than allowed."""
+
+
 class InputError(ValueError):
     """An argument of an API call has the wrong type or lies outside its range (checked before any
     work): a bad token id or option, an empty or non-string text, an unknown prompt name, a bad size."""

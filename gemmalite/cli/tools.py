@@ -23,7 +23,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
 
     use_threads(a)
     out = synth(a.preset, a.out, tokenizer=a.tokenizer, layout=a.layout, seed=a.seed, progress=not a.quiet,
-                force=a.force, vision=False if a.no_vision else None)
+                force=a.force, vision=False if a.no_vision else None, audio=False if a.no_audio else None)
     print(f"wrote {a.preset} checkpoint to {out}")
     return 0
 
@@ -87,6 +87,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-vision", action="store_true",
                    help="leave the vision (and, for eg2, audio) tower out (e2b, e4b and eg2 carry the real ones)")
+    p.add_argument("--no-audio", action="store_true", help="leave the audio tower out (e2b, e4b and eg2 carry the real one)")
     p.add_argument("--force", action="store_true", help="replace OUT if it already exists")
     p.add_argument("-q", "--quiet", action="store_true")
     threads_arg(p)

@@ -34,6 +34,7 @@ from ..loader import resolve
 from ..models.gemma.config import ModelConfig
 from ..models.gemma.contract import check_tensors, expected_shapes, quantizable
 from ..models.gemma.encoder import EncoderConfig, encoder_shapes, is_encoder_config
+from ..audio.tower import audio_tensors
 from ..vision.tower import vision_tensors
 from ..weights.matrix import Matrix
 from ..weights.quant import quantize
@@ -152,14 +153,16 @@ def convert(src: str | Path, out: str | Path, quant: str, *, progress: bool = Tr
 def _write(src: Path, out: Path, cfg, shapes: dict, tensors: dict[str, Any], raw: dict, quant: str, progress: bool,
            *, lm_head: bool) -> None:
     """The converted checkpoint's files, written into the (empty, temporary) folder ``out``: the text
-    model's tensors (named by its contract ``shapes``, prefix-free) and a vision tower's (under their
-    stored names); ``lm_head`` stores a quantized LM head apart from a tied embedding table."""
+    model's tensors (named by its contract ``shapes``, prefix-free) and the vision and audio towers'
+    (under their stored names); ``lm_head`` stores a quantized LM head apart from a tied embedding table."""
     stored = read_tensors(src, raw)
     vision, vision_rest = vision_tensors(stored, raw)
+    audio, audio_rest = audio_tensors(stored, raw)
+    towers, towers_rest = vision + audio, vision_rest + audio_rest
     jobs = {name: tensors[name] for name in quantizable(cfg, shapes)}
     if lm_head and cfg.tie_word_embeddings:
         jobs["lm_head.weight"] = tensors["embed_tokens.weight"]
-    jobs |= {name: stored[name] for name in vision}
+    jobs |= {name: stored[name] for name in towers}
     arrays: dict[str, np.ndarray] = {}
     formats: dict[str, str] = {}
     # compile the quantizer on a toy matrix first: the bar's estimate then measures quantizing only
@@ -174,7 +177,7 @@ def _write(src: Path, out: Path, cfg, shapes: dict, tensors: dict[str, Any], raw
         bar.update(int(np.prod(m.shape)))
     bar.close()
     arrays |= {name: np.asarray(tensors[name]) for name in shapes if name not in formats}
-    arrays |= {name: np.asarray(stored[name]) for name in vision_rest}
+    arrays |= {name: np.asarray(stored[name]) for name in towers_rest}
     save_arrays(out, arrays, progress=progress)
     config = dict(raw)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "default": quant, "formats": formats,

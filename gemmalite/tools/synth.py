@@ -25,6 +25,8 @@ from ..loader import load_tokenizer
 from ..models.gemma.config import FULL, SLIDING, ModelConfig
 from ..models.gemma.contract import expected_shapes
 from ..tokenizer import fallback_tokenizer, save_tokenizer
+from ..audio.tower import AudioConfig
+from ..audio.tower import expected_shapes as audio_shapes
 from ..vision.tower import VisionConfig
 from ..vision.tower import expected_shapes as vision_shapes
 
@@ -86,7 +88,8 @@ VISION_PRESETS: dict[str, dict] = {
 AUDIO_PRESETS: dict[str, dict] = {
     "real": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
                  conv_kernel_size=5, output_proj_dims=1536),
-    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[16, 8],
+    # the first subsampling layer stays 128 wide: the input projection's width is (128 mel bins / 4) * c1
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
                  conv_kernel_size=5, output_proj_dims=48),
 }
 MULTIMODAL_IDS = dict(image_token_id=258880, boi_token_id=255999, eoi_token_id=258882, video_token_id=258884,
@@ -113,50 +116,23 @@ def vision_tower_shapes(config: dict, text_hidden: int, tower: str, embed: str) 
     return vision_shapes(VisionConfig.from_hf(config), text_hidden, tower, embed)
 
 
-def audio_tower_shapes(c: dict, text_hidden: int, tower: str, embed: str) -> dict[str, tuple[int, ...]]:
-    """The ``gemma4_audio`` conformer's tensors as transformers names them (no gemmalite reader yet:
-    the contract the writer meets, checked against transformers in tests/embeddings)."""
-    H, c0, c1 = c["hidden_size"], *c["subsampling_conv_channels"]
-    clipped = c.get("use_clipped_linears", True)
-
-    def lin(base: str, out: int, inp: int) -> dict[str, tuple[int, ...]]:
-        d = {f"{base}.linear.weight": (out, inp)}
-        if clipped:
-            d.update({f"{base}.{k}": () for k in ("input_min", "input_max", "output_min", "output_max")})
-        return d
-
-    sub = tower + "subsample_conv_projection."
-    shapes = {sub + "layer0.conv.weight": (c0, 1, 3, 3), sub + "layer0.norm.weight": (c0,),
-              sub + "layer1.conv.weight": (c1, c0, 3, 3), sub + "layer1.norm.weight": (c1,),
-              sub + "input_proj_linear.weight": (H, (c0 // 4) * c1)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"{tower}layers.{i}."
-        for ff in ("feed_forward1", "feed_forward2"):
-            shapes |= lin(p + ff + ".ffw_layer_1", 4 * H, H) | lin(p + ff + ".ffw_layer_2", H, 4 * H)
-            shapes[p + ff + ".pre_layer_norm.weight"] = shapes[p + ff + ".post_layer_norm.weight"] = (H,)
-        shapes[p + "self_attn.per_dim_scale"] = (H // c["num_attention_heads"],)
-        for n in ("q_proj", "k_proj", "v_proj", "post"):
-            shapes |= lin(p + "self_attn." + n, H, H)
-        shapes[p + "self_attn.relative_k_proj.weight"] = (H, H)
-        shapes |= lin(p + "lconv1d.linear_start", 2 * H, H) | lin(p + "lconv1d.linear_end", H, H)
-        shapes[p + "lconv1d.depthwise_conv1d.weight"] = (H, 1, c["conv_kernel_size"])
-        for n in ("lconv1d.pre_layer_norm", "lconv1d.conv_norm", "norm_pre_attn", "norm_post_attn", "norm_out"):
-            shapes[p + n + ".weight"] = (H,)
-    shapes[tower + "output_proj.weight"] = (c["output_proj_dims"], H)
-    shapes[tower + "output_proj.bias"] = (c["output_proj_dims"],)
-    shapes[embed + "embedding_projection.weight"] = (text_hidden, c["output_proj_dims"])
-    return shapes
+def audio_tower_shapes(config: dict, text_hidden: int, tower: str, embed: str) -> dict[str, tuple[int, ...]]:
+    return audio_shapes(AudioConfig.from_hf(config), text_hidden, tower, embed)
 
 
-def processor_config(vision: dict, *, audio: bool, video: bool) -> dict:
+def processor_config(vision: dict | None, *, audio: bool, video: bool) -> dict:
     """``processor_config.json`` as transformers' Gemma 4 / EmbeddingGemma 2 processors save it
-    (image processor, and the video processor / audio feature extractor when the model has them)."""
-    sizes = {k: vision[k] for k in ("patch_size", "pooling_kernel_size")}
-    image = {"image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
-             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
-             "image_std": [1.0, 1.0, 1.0], "max_soft_tokens": 280, **sizes}
-    conf: dict = {"image_processor": image, "image_seq_length": 280}
-    if video:
+    (the image processor, and the video processor / audio feature extractor, for the towers the
+    model has; ``vision`` None: no vision tower)."""
+    conf: dict = {}
+    sizes = {k: vision[k] for k in ("patch_size", "pooling_kernel_size")} if vision else {}
+    if vision:
+        conf["image_processor"] = {
+            "image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
+            "image_std": [1.0, 1.0, 1.0], "max_soft_tokens": 280, **sizes}
+        conf["image_seq_length"] = 280
+    if video and vision:
         conf["video_processor"] = {
             "video_processor_type": "EmbeddingGemma2VideoProcessor", "do_convert_rgb": True, "do_resize": True,
             "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
@@ -236,32 +212,39 @@ def write_random_checkpoint(out: str | Path, shapes: dict[str, tuple[int, ...]],
 
 
 def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
-          seed: int = 0, progress: bool = True, force: bool = False, vision: bool | None = None) -> Path:
-    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b). ``vision``: with
-    the real Gemma 4 vision tower (default for e2b / e4b in the conditional layout; tiny gets a
-    toy tower when asked)."""
+          seed: int = 0, progress: bool = True, force: bool = False, vision: bool | None = None,
+          audio: bool | None = None) -> Path:
+    """Write a random-weight checkpoint folder for ``preset`` (tiny, e2b, e4b). ``vision`` /
+    ``audio``: with the real Gemma 4 vision / audio tower (default for e2b / e4b in the
+    conditional layout; tiny gets toy towers, which run, when asked)."""
     text = text_config(preset)
     prefix = {"conditional": "model.language_model.", "causal": "model."}[layout]
     shapes = {prefix + k: v for k, v in expected_shapes(ModelConfig.from_hf(text)).items()}
-    if vision is None:
-        vision = preset != "tiny" and layout == "conditional"
-    if vision and layout != "conditional":
-        raise ValueError("a vision tower needs the conditional layout (Gemma4ForCausalLM has none)")
+    default = preset != "tiny" and layout == "conditional"
+    vision = default if vision is None else vision
+    audio = default if audio is None else audio
+    if (vision or audio) and layout != "conditional":
+        raise ValueError("a vision or audio tower needs the conditional layout (Gemma4ForCausalLM has none)")
+    towers = "tiny" if preset == "tiny" else "real"
     if layout == "conditional":
-        vcfg = vision_config("tiny" if preset == "tiny" else "real") if vision else None
+        vcfg = vision_config(towers) if vision else None
+        acfg = audio_config(towers) if audio else None
         config = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
-                  "text_config": text, "vision_config": vcfg, "audio_config": None, "dtype": "bfloat16",
+                  "text_config": text, "vision_config": vcfg, "audio_config": acfg, "dtype": "bfloat16",
                   "tie_word_embeddings": True, **MULTIMODAL_IDS}
         if vcfg:
             shapes |= vision_tower_shapes(vcfg, text["hidden_size"], "model.vision_tower.", "model.embed_vision.")
+        if acfg:
+            shapes |= audio_tower_shapes(acfg, text["hidden_size"], "model.audio_tower.", "model.embed_audio.")
     else:
         config = {**text, "architectures": ["Gemma4ForCausalLM"], "dtype": "bfloat16"}
     extra = {"generation_config.json": GENERATION_CONFIG}
-    if vision:
-        extra["processor_config.json"] = {**processor_config(config["vision_config"], audio=False, video=False),
+    if vision or audio:
+        extra["processor_config.json"] = {**processor_config(config["vision_config"], audio=audio, video=False),
                                           "processor_class": "Gemma4Processor"}
     return write_random_checkpoint(out, shapes, config, tokenizer=tokenizer, seed=seed, progress=progress,
-                                   force=force, extra_json=extra, finish=_add_multimodal_tokens if vision else None)
+                                   force=force, extra_json=extra,
+                                   finish=_add_multimodal_tokens if vision or audio else None)
 
 
 def _add_multimodal_tokens(folder: Path) -> None:

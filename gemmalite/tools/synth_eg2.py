@@ -74,9 +74,11 @@ def add_eos_template(folder: Path) -> None:
 
 
 def synth_eg2(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, layout: str = "conditional",
-              seed: int = 0, progress: bool = True, force: bool = False, vision: bool | None = None) -> Path:
+              seed: int = 0, progress: bool = True, force: bool = False, vision: bool | None = None,
+              audio: bool | None = None) -> Path:
     """Write a random EmbeddingGemma 2 folder; ``layout`` "conditional" (nested with both towers, as
-    published; ``vision=False`` leaves the towers out) or "causal" (text only)."""
+    published; ``vision=False`` leaves both towers out, ``audio=False`` the audio tower) or "causal"
+    (text only)."""
     if preset not in SHAPES:
         raise ValueError(f"unknown EmbeddingGemma 2 preset {preset!r}; choose from {sorted(SHAPES)}")
     text = eg2_text_config(preset)
@@ -87,13 +89,14 @@ def synth_eg2(preset: str, out: str | Path, *, tokenizer: str | Path | None = No
     extra: dict[str, dict] = {}
     if layout == "conditional":
         vcfg = vision_config(TOWERS[preset]) if towers else None
-        acfg = audio_config(TOWERS[preset]) if towers else None
+        acfg = audio_config(TOWERS[preset]) if towers and audio is not False else None
         config = {"model_type": "embedding_gemma2", "architectures": ["EmbeddingGemma2Model"], "text_config": text,
                   "vision_config": vcfg, "audio_config": acfg, "dtype": "bfloat16", **MULTIMODAL_IDS}
         if towers:
             shapes |= vision_tower_shapes(vcfg, cfg.hidden_size, "vision_tower.", "embed_vision.")
-            shapes |= audio_tower_shapes(acfg, cfg.hidden_size, "audio_tower.", "embed_audio.")
-            extra["processor_config.json"] = {**processor_config(vcfg, audio=True, video=True),
+            if acfg:
+                shapes |= audio_tower_shapes(acfg, cfg.hidden_size, "audio_tower.", "embed_audio.")
+            extra["processor_config.json"] = {**processor_config(vcfg, audio=acfg is not None, video=True),
                                               "processor_class": "EmbeddingGemma2Processor"}
     else:
         config = {**text, "architectures": ["EmbeddingGemma2TextModel"], "dtype": "bfloat16"}

@@ -22,13 +22,13 @@ from ..errors import CheckpointError, ConfigError
 from ..kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
 from ..models.gemma.config import RopeSpec
+from ..weights.clipped import CLIP_KEYS, Linear
 from ..weights.matrix import Matrix
 from .preprocess import ImagePatches
 
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # (tower prefix, embedder prefix): Gemma4ForConditionalGeneration, then EmbeddingGemma2Model
 PREFIXES = (("model.vision_tower.", "model.embed_vision."), ("vision_tower.", "embed_vision."))
-CLIP_KEYS = ("input_min", "input_max", "output_min", "output_max")
 ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -68,21 +68,6 @@ class VisionConfig:
             raise ConfigError(f"vision_config: head_dim {cfg.head_dim} must be a multiple of 4 and "
                               f"num_attention_heads {cfg.num_attention_heads} of num_key_value_heads {cfg.num_key_value_heads}")
         return cfg
-
-
-class Linear:
-    """A projection; with clip bounds, ``clip(clip(x, in) W^T, out)`` (Gemma4ClippableLinear)."""
-
-    def __init__(self, w: Matrix, clip: tuple[float, float, float, float] | None = None):
-        self.w = w
-        self.clip = None if clip is None or all(np.isinf(clip)) else tuple(np.float32(c) for c in clip)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.clip is None:
-            return self.w.matmul(x)
-        lo, hi, out_lo, out_hi = self.clip
-        y = self.w.matmul(np.clip(x, lo, hi))
-        return np.clip(y, out_lo, out_hi, out=y)
 
 
 @dataclass

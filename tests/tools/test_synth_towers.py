@@ -70,3 +70,41 @@ def test_synth_eg2_tiny_with_towers_loads_in_transformers(tmp_path):
     assert all(i[0] == 2 and i[-1] == 1 for i in ids)
     ref = o.ref_embed_ids(model.language_model, ids)
     assert o.cosine_rows(ref, load_embedder(path).embed(texts)).min() >= 0.99999
+
+
+@pytest.mark.parametrize("preset", ["e2b", "e4b"])
+def test_gemma4_audio_contract_is_transformers(preset):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = text_config(preset)
+    cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=audio_config("real"))
+    with torch.device("meta"):
+        model = Gemma4ForConditionalGeneration(cfg)
+    want = {k: v for k, v in _meta_shapes(model).items() if k.startswith(("model.audio_tower.", "model.embed_audio."))}
+    assert audio_tower_shapes(audio_config("real"), text["hidden_size"], "model.audio_tower.",
+                              "model.embed_audio.") == want
+
+
+@pytest.mark.parametrize("preset", ["tiny", "eg2-tiny"])
+def test_tiny_audio_towers_run_as_transformers(preset, tmp_path):
+    """The toy audio towers of `synth` run, and give what transformers' Gemma4AudioModel +
+    embed_audio give on the same (bf16) weights, loaded strictly from the folder."""
+    import audio_oracle as ao
+
+    from gemmalite.audio import build_audio_tower
+    from gemmalite.formats.folder import read_config, read_tensors
+    from gemmalite.tools.synth import synth
+
+    if preset == "tiny":
+        path, prefix = synth("tiny", tmp_path / "s", audio=True, progress=False), "model."
+    else:
+        path, prefix = synth_eg2("eg2-tiny", tmp_path / "s", progress=False), ""
+    raw = read_config(path)
+    tensors = read_tensors(path, raw)
+    text_hidden = raw["text_config"]["hidden_size"]
+    inner = ao.StandaloneAudio(raw["audio_config"], text_hidden).load(tensors, prefix)
+    x = ao.speechy(16000, 2)
+    ref64, ref32 = ao.hf_audio_features(inner, x), ao.hf_audio_features(inner, x, torch.float32)
+    ours = build_audio_tower(tensors, raw).encode(x)
+    assert ours.shape == ref64.shape == (25, text_hidden)
+    assert np.abs(ours - ref64).max() <= 4 * np.abs(ref32 - ref64).max() + 1e-6
