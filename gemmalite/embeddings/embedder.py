@@ -9,11 +9,12 @@ cut is re-normalised.
 Batches are sorted by length and packed (`EncoderGraph` computes no padding), then put back
 in input order, so a batch gives the same vectors as one text at a time.
 
-Images (`media`): an input with pictures is written as the EmbeddingGemma2Processor's text,
-its parts in order with an ``<|image|>`` (``<|video|>``) placeholder per picture (video), then
-tokenized like a text; each placeholder becomes ``<|image>`` + N soft-token rows + ``<image|>``
-(one such block per video frame), and those rows take the vision tower's soft tokens instead
-of token embeddings; the encoder, pooling (over every row) and normalisation are the text's.
+Images and audio (`media`): an input with pictures or clips is written as the
+EmbeddingGemma2Processor's text, its parts in order with an ``<|image|>`` (``<|video|>``,
+``<|audio|>``) placeholder per picture (video, clip), then tokenized like a text; each
+placeholder becomes ``<|image>`` + N soft-token rows + ``<image|>`` (one such block per video
+frame; ``<|audio>`` ... ``<audio|>`` for a clip), and those rows take the tower's soft tokens
+instead of token embeddings; the encoder, pooling (over every row) and normalisation are the text's.
 """
 from __future__ import annotations
 

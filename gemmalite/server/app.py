@@ -90,8 +90,8 @@ class Server:
         return bytes(body)
 
     async def read_form(self, request: Request) -> dict[str, Any]:
-        """A multipart form (one file at most), its body bounded like a JSON body's (plus the file's own bound)."""
-        body = await self.read_body(request, self.limits.max_body_bytes + self.limits.max_audio_bytes)
+        """A multipart form (one file at most), its body bounded by the file's bound plus 64 KiB of fields."""
+        body = await self.read_body(request, self.limits.max_audio_bytes + (64 << 10))
 
         async def receive() -> dict:
             return {"type": "http.request", "body": body, "more_body": False}

@@ -187,6 +187,17 @@ def test_audio_errors(ckpt, gl, tmp_path):
         text_only.chat(_messages(CLIPS[0]), max_new_tokens=2)
 
 
+def test_converted_checkpoint_keeps_the_audio_tower(ckpt, gl, tmp_path):
+    """`gemmalite convert` quantizes the audio projections too: the converted folder gives the
+    logits of an int8 load of the original, clips included."""
+    from gemmalite.tools.convert import convert
+
+    path, _ = ckpt
+    converted = gl.load(convert(path, tmp_path / "int8", "int8", progress=False))
+    want = gl.load(path, quant="int8").logits(PROMPT, images=[PICTURE], audio=CLIPS)
+    np.testing.assert_array_equal(converted.logits(PROMPT, images=[PICTURE], audio=CLIPS), want)
+
+
 def test_cli_run_and_chat_with_a_clip(ckpt, gl, tmp_path, capsys, monkeypatch):
     from gemmalite.cli import main
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 
+import numpy as np
 import pytest
 from live_server import KEY, LiveServer
 
@@ -17,6 +18,7 @@ pytest.importorskip("multipart")
 import media_oracle as mo  # noqa: E402
 
 MODEL_ID = "tiny-audio"
+EMB_ID = "tiny-eg2"
 MAX_TOKENS = 24  # the server's bound on a reply
 QUESTION = "What is said here?"
 CLIPS = {"a": mo.wav(mo.clip(1.1, 0)), "b": mo.wav(mo.clip(0.6, 1))}
@@ -65,12 +67,21 @@ def refs(model):
 
 
 @pytest.fixture(scope="module")
-def live(model, refs):
+def embedder(tmp_path_factory, gl):
+    """The tiny EmbeddingGemma 2 preset with its (tiny) audio and vision towers."""
+    from gemmalite.tools.synth_eg2 import synth_eg2
+
+    return gl.load_embedder(synth_eg2("eg2-tiny", tmp_path_factory.mktemp("eg2"), progress=False))
+
+
+@pytest.fixture(scope="module")
+def live(model, refs, embedder):
     from gemmalite.server import build_app
     from gemmalite.server.protocol import Limits
 
     limits = Limits(max_tokens=MAX_TOKENS, max_audio=2, max_audio_bytes=64 << 10, max_audio_seconds=1.5)
-    s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY, max_concurrency=4, limits=limits))
+    s = LiveServer(build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY, max_concurrency=4,
+                             limits=limits))
     yield s
     s.stop()
 
@@ -94,6 +105,23 @@ def test_transcriptions_equal_model(live, refs):
     text = c.audio.transcriptions.create(model=MODEL_ID, file=("b.wav", CLIPS["b"]), language="fr",
                                          response_format="text")
     assert text == refs["transcribe_fr"]
+
+
+def test_embeddings_with_audio_parts(live, embedder):
+    """The extension: an input that is a list of content parts is one input of those parts; the
+    vectors are `Embedder.embed`'s of the same parts, usage counts the clips' soft tokens."""
+    part = _api_messages("b")[0]["content"][0]
+    body = {"model": EMB_ID, "encoding_format": "float",
+            "input": [[{"type": "text", "text": "a dog barking"}, part], "plain text", [part]]}
+    status, _, r = live.raw("POST", "/v1/embeddings", body)
+    assert status == 200, r
+    inputs = [["a dog barking", {"audio": CLIPS["b"]}], "plain text", [{"audio": CLIPS["b"]}]]
+    want = embedder.embed(inputs)
+    assert (np.array([d["embedding"] for d in r["data"]], np.float32) == want).all()
+    assert r["usage"]["prompt_tokens"] == sum(len(x) for x in embedder.prepare(inputs)[0])
+    bad = dict(body, input=[[{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"junk").decode()}}]])
+    status, _, r = live.raw("POST", "/v1/embeddings", bad)
+    assert status == 400 and r["error"]["code"] == "invalid_audio" and r["error"]["param"], r
 
 
 def _audio_msg(input_audio) -> dict:
