@@ -98,6 +98,39 @@ def make_audio_checkpoint(path, audio_config: dict, *, layout: str, seed: int = 
     return model, inner
 
 
+class StandaloneAudio(torch.nn.Module):
+    """transformers' Gemma4AudioModel + embed_audio alone (no text model), with the
+    ``get_audio_features`` that `hf_audio_features` calls."""
+
+    def __init__(self, audio_config: dict, text_hidden: int):
+        from transformers.models.gemma4.configuration_gemma4 import Gemma4AudioConfig, Gemma4TextConfig
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
+
+        super().__init__()
+        cfg = Gemma4AudioConfig(**{k: v for k, v in audio_config.items() if k != "model_type"})
+        self.audio_tower = Gemma4AudioModel(cfg).float().eval()
+        self.embed_audio = Gemma4MultimodalEmbedder(cfg, Gemma4TextConfig(hidden_size=text_hidden)).float().eval()
+
+    def load(self, tensors: dict, prefix: str) -> "StandaloneAudio":
+        """Load ``{prefix}audio_tower.*`` / ``{prefix}embed_audio.*`` strictly (every name, every shape)."""
+        for module, p in ((self.audio_tower, prefix + "audio_tower."), (self.embed_audio, prefix + "embed_audio.")):
+            state = {k[len(p):]: torch.from_numpy(np.asarray(v, np.float32)) for k, v in tensors.items() if k.startswith(p)}
+            module.load_state_dict(state, strict=True)
+        return self
+
+    def tensors(self, prefix: str = "audio_tower.", embed: str = "embed_audio.") -> dict[str, np.ndarray]:
+        """Its weights as a checkpoint stores them (EmbeddingGemma 2 names by default)."""
+        out = {}
+        for module, p in ((self.audio_tower, prefix), (self.embed_audio, embed)):
+            out |= {p + k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+        return out
+
+    def get_audio_features(self, feats, mask, return_dict=True):
+        out = self.audio_tower(feats, mask, return_dict=True)
+        out.pooler_output = self.embed_audio(out.last_hidden_state)
+        return out
+
+
 def feature_extractor():
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 

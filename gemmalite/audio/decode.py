@@ -7,7 +7,10 @@ trimmed to ``ceil(n * 16000 / rate)`` samples. Arrays given at 16 kHz are taken 
 (int16 / int32 scaled to [-1, 1) as soundfile scales them, float converted to float32).
 
 Bad audio raises `AudioError` naming the problem; a file whose header claims more than
-``max_seconds`` is refused from the header, before anything is decoded.
+``max_seconds`` is refused from the header, before anything is decoded. A truncated file is one
+that decodes to fewer samples than its header claims (an MP3's header count is an estimate: 2 %
+slack) or, for WAV, whose data chunk claims more bytes than the file holds (libsndfile reads
+those without complaint).
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ from ..errors import AudioError
 SAMPLE_RATE = 16000
 MAX_CHANNELS = 32  # a 2-D array wider than this is taken for channel-first audio and refused
 _INT_SCALE = {np.dtype(np.int16): 2.0**15, np.dtype(np.int32): 2.0**31}
-#: mpg123 estimates an MP3's length from its header; a complete file may decode a frame or two short of it
-_MP3_SLACK = 2 * 1152
+#: an MP3's length in its header is an estimate (exact with a Xing / Info frame, as LAME writes):
+#: a complete file may decode a little short of it, so a cut is called one past this slack
+_MP3_SLACK_FRAMES, _MP3_SLACK_SHARE = 2 * 1152, 0.02
 
 AudioInput = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO, np.ndarray, tuple]
 
@@ -90,18 +94,20 @@ def _from_array(a: np.ndarray, rate: Any, max_seconds: float | None) -> np.ndarr
     return _finish(_resample(x, int(rate)), where)
 
 
-def _wav_truncation(head: bytes, size: int) -> str | None:
-    """For a RIFF/WAVE file of ``size`` bytes starting with ``head``: why it is truncated (its
-    ``data`` chunk claims more bytes than the file holds), else None. libsndfile reads such a
-    file without complaint, shortened to what is there."""
+def _wav_problem(head: bytes, size: int) -> str | None:
+    """For a RIFF/WAVE file of ``size`` bytes starting with ``head``: what is wrong with its header
+    that libsndfile would not say (a sample rate of 0: "SF_INFO struct incomplete") or would read
+    without complaint (a data chunk claiming more bytes than the file holds: truncated), else None."""
     if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
         return None
     pos = 12
     while pos + 8 <= len(head):
         tag, n = head[pos:pos + 4], struct.unpack("<I", head[pos + 4:pos + 8])[0]
+        if tag == b"fmt " and pos + 16 <= len(head) and struct.unpack("<I", head[pos + 12:pos + 16])[0] == 0:
+            return "a sample rate of 0 Hz in its header"
         if tag == b"data":
             if n not in (0, 0xFFFFFFFF) and pos + 8 + n > size:  # 0 / -1: a stream's size left unset
-                return f"its data chunk claims {n} bytes, the file holds {size - pos - 8}"
+                return f"truncated WAV file (its data chunk claims {n} bytes, the file holds {size - pos - 8})"
             return None
         pos += 8 + n + (n & 1)
     return None
@@ -151,21 +157,21 @@ def load_audio(source: AudioInput, *, max_seconds: float | None = None) -> np.nd
     target, where, head, size = _open(source)
     if size == 0:
         raise AudioError(f"{where}: empty file")
+    problem = _wav_problem(head, size)
+    if problem:
+        raise AudioError(f"{where}: {problem}")
     try:
         with sf.SoundFile(target) as f:
             rate, frames, fmt = f.samplerate, f.frames, f.format
             if rate <= 0:
                 raise AudioError(f"{where}: a sample rate of {rate} Hz")
             _check_length(frames / rate, max_seconds, where, "its header claims")
-            truncated = _wav_truncation(head, size) if fmt in ("WAV", "WAVEX") else None
-            if truncated:
-                raise AudioError(f"{where}: truncated WAV file ({truncated})")
             x = f.read(dtype="float32", always_2d=True)
     except AudioError:
         raise
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as e:
         raise AudioError(f"{where}: cannot decode the audio, not audio or truncated / corrupt ({e})") from None
-    slack = _MP3_SLACK if fmt == "MP3" else 0
+    slack = max(_MP3_SLACK_FRAMES, int(_MP3_SLACK_SHARE * frames)) if fmt == "MP3" else 0
     if x.shape[0] + slack < frames:
         raise AudioError(f"{where}: truncated {fmt} file (its header claims {frames} samples, {x.shape[0]} decoded)")
     if x.shape[1] == 0:

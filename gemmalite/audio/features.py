@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from ..errors import AudioError
+
 SAMPLE_RATE = 16000
 FRAME, HOP, FFT, MEL_BINS = 320, 160, 512, 128
 PAD_MULTIPLE = 128
@@ -60,9 +62,11 @@ def log_mel(samples: np.ndarray) -> tuple[np.ndarray, int]:
     reference's padding to a multiple of 128 samples too; frames past the valid ones are 0,
     and only the valid ones reach the tower."""
     x = np.asarray(samples)
-    if x.ndim != 1:
-        raise ValueError(f"log_mel takes 1-D samples, got shape {x.shape}")
+    if x.ndim != 1 or x.dtype.kind != "f":
+        raise AudioError(f"log_mel takes 1-D float samples at 16 kHz (load_audio makes them), got {x.dtype} {x.shape}")
     x = x.astype(np.float32, copy=False)
+    if not np.isfinite(x).all():
+        raise AudioError("the audio has NaN or infinite samples")
     n = x.shape[0]
     padded = -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
     wave = np.zeros(FRAME // 2 + padded, np.float32)

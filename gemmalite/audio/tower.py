@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import AudioError, CheckpointError, ConfigError
 from ..kernels.ops import rms_norm
 from ..models.gemma.build import QUANT_KINDS, matrix_factory
 from ..weights.clipped import CLIP_KEYS, Linear
@@ -149,26 +149,32 @@ def _clamp(x: np.ndarray, bound: float) -> np.ndarray:
 
 def _conv_stride2(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Conv2d(3x3, stride 2, padding 1, no bias) over ``x [T, F, C_in]`` with ``w [C_out, C_in, 3, 3]``:
-    ``[ceil(T/2), ceil(F/2), C_out]``, as nine products of the strided input with one tap each."""
+    ``[ceil(T/2), ceil(F/2), C_out]``, as products of the strided input with the taps."""
     t, f, c = x.shape
     to, fo = (t - 1) // 2 + 1, (f - 1) // 2 + 1
     xp = np.zeros((t + 2, f + 2, c), np.float32)
     xp[1:t + 1, 1:f + 1] = x
-    taps = [xp[a:a + 2 * to:2, b:b + 2 * fo:2].reshape(to * fo, c) for a in range(3) for b in range(3)]
+
+    def tap(i: int) -> np.ndarray:  # the inputs under tap (i // 3, i % 3) of every output
+        a, b = divmod(i, 3)
+        return xp[a:a + 2 * to:2, b:b + 2 * fo:2].reshape(to * fo, c)
+
     if c == 1:  # the first layer: one product with the nine taps side by side
-        return (np.concatenate(taps, 1) @ w.reshape(w.shape[0], 9).T).reshape(to, fo, w.shape[0])
+        return (np.concatenate([tap(i) for i in range(9)], 1) @ w.reshape(w.shape[0], 9).T).reshape(to, fo, -1)
     out = np.zeros((to * fo, w.shape[0]), np.float32)
-    for i, tap in enumerate(taps):
-        out += tap @ np.ascontiguousarray(w[:, :, i // 3, i % 3].T)
+    for i in range(9):  # one tap's copy at a time: a 30 s clip's grid is 50 MB
+        out += tap(i) @ np.ascontiguousarray(w[:, :, i // 3, i % 3].T)
     return out.reshape(to, fo, w.shape[0])
 
 
-def _layer_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """nn.LayerNorm over the last axis, weight only (mean-centred, biased variance)."""
-    mean = x.mean(-1, keepdims=True)
-    d = x - mean
-    var = (d * d).mean(-1, keepdims=True)
-    return d / np.sqrt(var + np.float32(eps)) * w
+def _layer_norm_relu(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """relu(nn.LayerNorm(x)) over the last axis, weight only (mean-centred, biased variance), in
+    place on ``x`` (a fresh convolution output)."""
+    x -= x.mean(-1, keepdims=True)
+    var = np.einsum("...c,...c->...", x, x)[..., None] / np.float32(x.shape[-1])
+    x *= np.float32(1.0) / np.sqrt(var + np.float32(eps))
+    x *= w
+    return np.maximum(x, 0, out=x)
 
 
 def sinusoids(positions: int, hidden: int) -> np.ndarray:
@@ -211,11 +217,15 @@ class AudioTower:
         encoded exactly as the reference encodes a clip of that length, and the tokens
         concatenated; a window of 160 samples or fewer gives no tokens."""
         if isinstance(audio, tuple):
-            feats, valid = audio
-            return self.project(self.forward(np.asarray(feats, np.float32)[:int(valid)]))
+            feats, valid = np.asarray(audio[0]), audio[1]
+            if feats.ndim != 2 or feats.shape[1] != MEL_BINS or feats.dtype.kind != "f":
+                raise AudioError(f"features must be float [frames, {MEL_BINS}], got {feats.dtype} {feats.shape}")
+            if not 0 <= int(valid) <= feats.shape[0] or not np.isfinite(feats[:int(valid)]).all():
+                raise AudioError(f"features: {valid} valid frames of {feats.shape[0]}, or non-finite values")
+            return self.project(self.forward(feats[:int(valid)].astype(np.float32)))
         x = np.asarray(audio)
         if x.ndim != 1:
-            raise ValueError(f"encode takes 1-D samples or (features, valid_frames), got shape {x.shape}")
+            raise AudioError(f"encode takes 1-D samples or (features, valid_frames), got shape {x.shape}")
         parts = []
         for a, b in windows(x.shape[0]):
             feats, valid = log_mel(x[a:b])
@@ -232,8 +242,8 @@ class AudioTower:
             return np.zeros((0, cfg.output_proj_dims), np.float32)
         w0, n0, w1, n1 = self.conv
         eps = cfg.rms_norm_eps
-        h = np.maximum(_layer_norm(_conv_stride2(feats[:, :, None], w0), n0, eps), 0)
-        h = np.maximum(_layer_norm(_conv_stride2(h, w1), n1, eps), 0)
+        h = _layer_norm_relu(_conv_stride2(feats[:, :, None], w0), n0, eps)
+        h = _layer_norm_relu(_conv_stride2(h, w1), n1, eps)
         x = self.input_proj.matmul(h.reshape(h.shape[0], -1))
         g = min(cfg.gradient_clipping, float(np.finfo(np.float32).max))
         for layer in self.layers:
