@@ -5,14 +5,14 @@ from . import settings
 # package), worker threads that sleep instead of spinning when they wait (see settings.py).
 settings.apply()
 from .embeddings import Embedder, load_embedder  # noqa: E402
-from .errors import (CheckpointError, ConfigError, ContextError, ImageError, InputError, NumericalError,  # noqa: E402
-                     TokenizerError)
+from .errors import (AudioError, CheckpointError, ConfigError, ContextError, ImageError, InputError,  # noqa: E402
+                     NumericalError, TokenizerError)
 from .loader import load, load_tokenizer  # noqa: E402
 from .model import ChatSession, Model  # noqa: E402
 from .runtime.generate import GenerationStats, Stream  # noqa: E402
 from .tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["load", "load_tokenizer", "load_embedder", "Model", "ChatSession", "Stream", "GenerationStats", "Tokenizer",
-           "Embedder", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError", "NumericalError",
+           "Embedder", "AudioError", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError", "NumericalError",
            "TokenizerError"]
 __version__ = settings.VERSION

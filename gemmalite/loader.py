@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .audio.prompt import folder_audio
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
 from .formats.folder import load_folder, read_json, read_tensors
 from .formats.gguf import is_gguf
@@ -58,7 +59,7 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     p = resolve(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
-    vision = None
+    vision = audio = None
     if p.is_file():
         if not is_gguf(p):
             raise CheckpointError(f"{p}: not a GGUF file or a checkpoint folder")
@@ -66,7 +67,9 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     else:
         cfg, tensors, raw = load_folder(p)
         _check_requantize(p, raw, quant)
-        vision = _vision(p, raw, quant)
+        towers = any(isinstance(raw.get(k), dict) for k in ("vision_config", "audio_config"))
+        stored = read_tensors(p, raw) if towers else {}  # memory-mapped: only headers are read here
+        vision, audio = _vision(p, raw, quant, stored), folder_audio(raw, stored, quant)
         tokenizer = load_tokenizer_folder(p)
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else None
     check_tensors(cfg, tensors, str(p))
@@ -81,10 +84,10 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
                     context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0, threads=threads)
     limit_blas_threads(threads)
-    return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision)
+    return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision, audio=audio)
 
 
-def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
+def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision | None:
     """The folder's vision tower (built on first use), or None when it has none."""
     if not isinstance(raw.get("vision_config"), dict):
         return None
@@ -93,8 +96,7 @@ def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:
         if (raw.get("text_config") or {}).get("use_bidirectional_attention") == "vision":
             raise ConfigError("use_bidirectional_attention='vision' (image blocks attending both ways) is not supported")
 
-    # memory-mapped: only headers are read here
-    return folder_vision(folder, raw, read_tensors(folder, raw), quant, check)
+    return folder_vision(folder, raw, tensors, quant, check)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -13,11 +13,12 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from .audio.prompt import TOKENS_PER_SECOND, Audio, message_audio
 from .errors import ConfigError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
 from .runtime.cache import KVState
-from .runtime.engine import Engine, SoftTokens
+from .runtime.engine import Engine, SoftTokens, place_blocks
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, prompt_lookup_drafts, stop_sets,
                                text_pieces)
@@ -28,9 +29,10 @@ from .vision.prompt import Vision, message_images
 
 class Model:
     def __init__(self, cfg: ModelConfig, engine: Engine, tokenizer: Tokenizer | None, defaults: GenerationDefaults,
-                 source: str = "", vision: Vision | None = None):
+                 source: str = "", vision: Vision | None = None, audio: Audio | None = None):
         self.config = cfg
         self.vision = vision  # the vision tower, when the checkpoint has one (images in prompts)
+        self.audio = audio  # the audio tower, when the checkpoint has one (clips in prompts)
         self.engine = engine
         self._tokenizer = tokenizer
         self.defaults = defaults
@@ -64,29 +66,43 @@ class Model:
         inputs.flag(stream, "stream")
         return inputs.integer(max_new_tokens, "max_new_tokens", 0), self.defaults.params(*sampling)
 
-    def with_images(self, ids: Iterable[int], images, **limits: int) -> tuple[np.ndarray, SoftTokens | None]:
+    def with_media(self, ids: Iterable[int], images=None, audio=None, *, max_seconds: float | None = None,
+                   **limits: int) -> tuple[np.ndarray, SoftTokens | None]:
         """The prompt as it runs: each image placeholder of ``ids`` expanded with the next image's
-        soft tokens (as transformers' Gemma4Processor places them); unchanged without images.
-        ``limits``: `Vision.prompt`'s (``max_pixels``, ``max_soft_tokens``)."""
+        soft tokens, each audio placeholder with the next clip's (as transformers' Gemma4Processor
+        places them); unchanged without either. ``limits``: `Vision.blocks`'s (``max_pixels``,
+        ``max_soft_tokens``); ``max_seconds``: the longest clip taken (default and at most: what the
+        context holds, 25 soft tokens a second), refused from a file's header before decoding."""
         arr = self.check_ids(ids)
-        if not images:
-            return arr, None
-        if self.vision is None:
-            raise ConfigError(f"{self.source or 'this model'} has no vision tower: it cannot take images")
-        p = self.vision.prompt(arr, list(images), **limits)
-        return p.ids, SoftTokens(p.rows, p.vectors, p.keys)
+        slots = []
+        if images:
+            if self.vision is None:
+                raise ConfigError(f"{self.source or 'this model'} has no vision tower: it cannot take images")
+            slots += self.vision.blocks(arr, list(images), **limits)
+        if audio:
+            if self.audio is None:
+                raise ConfigError(f"{self.source or 'this model'} has no audio tower: it cannot take audio")
+            fits = self.context / TOKENS_PER_SECOND  # a longer clip could never run: refuse it before the tower
+            slots += self.audio.blocks(arr, list(audio), max_seconds=fits if max_seconds is None else min(max_seconds, fits))
+        return place_blocks(arr, slots, self.config.hidden_size)
 
-    def _prompt(self, ids: Iterable[int], images, max_new_tokens: int, truncate: bool):
-        """(ids, soft tokens) as they will run: pictures expanded, fitted to the context (a prompt
-        with pictures is never cut)."""
-        arr, soft = self.with_images(ids, images)
+    def with_images(self, ids: Iterable[int], images, **limits: int) -> tuple[np.ndarray, SoftTokens | None]:
+        """`with_media` with images only."""
+        return self.with_media(ids, images, **limits)
+
+    def _prompt(self, ids: Iterable[int], images, max_new_tokens: int, truncate: bool, audio=None):
+        """(ids, soft tokens) as they will run: pictures and clips expanded, fitted to the context
+        (a prompt with either is never cut)."""
+        arr, soft = self.with_media(ids, images, audio)
         return self._fit(arr, max_new_tokens, truncate and soft is None), soft
 
     # -- numerical entry points -------------------------------------------------------
-    def logits(self, ids: Iterable[int], images=None) -> np.ndarray:
+    def logits(self, ids: Iterable[int], images=None, audio=None) -> np.ndarray:
         """float32 ``[T, vocab]`` logits of a fresh full prefill (after softcap); no state kept.
-        ``images`` fill the prompt's image placeholders (T counts their soft tokens)."""
-        arr, soft = self._prompt(ids, images, 0, truncate=False)
+        ``images`` fill the prompt's image placeholders, ``audio`` (clips: paths, bytes, file
+        objects, 16 kHz arrays or ``(array, sample_rate)``) its audio placeholders, in order (T
+        counts their soft tokens)."""
+        arr, soft = self._prompt(ids, images, 0, truncate=False, audio=audio)
         return self.engine.logits(self.engine.forward(self.new_state(), arr, soft=soft))
 
     def hidden_states(self, ids: Iterable[int]) -> list[np.ndarray]:
@@ -106,9 +122,10 @@ class Model:
 
     def generate_tokens(self, ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
                         top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None,
-                        stream: bool = False, truncate: bool = False, images=None, prompt_lookup: int | bool = False):
+                        stream: bool = False, truncate: bool = False, images=None, audio=None,
+                        prompt_lookup: int | bool = False):
         """New token ids after ``ids`` (a list, or with ``stream=True`` a `Stream` of ids whose
-        ``stats`` fill in as it runs). ``images`` fill the image placeholders of ``ids``.
+        ``stats`` fill in as it runs). ``images`` / ``audio`` fill the image / audio placeholders of ``ids``.
 
         ``stop``: extra stop token ids, or stop strings (needs a tokenizer); the stopping
         token is not returned. ``temperature=0`` is greedy. ``prompt_lookup``: draft tokens
@@ -123,7 +140,7 @@ class Model:
                                            vocab_size=self.config.vocab_size)
         if stop_strings:
             self.tokenizer  # noqa: B018 - stop strings need a tokenizer: raise now, not mid-stream
-        arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
+        arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
 
         def items(stats: GenerationStats):
             it = self._token_stream(self.new_state(), arr, soft, max_new_tokens=max_new_tokens, params=params,
@@ -165,12 +182,12 @@ class Model:
 
     def text(self, state: KVState, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
               stop, truncate: bool, params: SamplingParams, lock: threading.Lock | None = None, images=None,
-              drafts: int = 0):
+              drafts: int = 0, audio=None):
         """Generate text after ``ids`` on an explicit ``state`` (what `generate` and `chat` run): tokens,
         then text cut at stop strings; ``drafts``: prompt-lookup draft tokens per step (0: none).
         Inputs are checked at the call; ``lock`` (a session's) is held while the state is in use."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=chat)
-        arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
+        arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
 
         def items(stats: GenerationStats):
             tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
@@ -195,7 +212,8 @@ class ChatSession:
              top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
              truncate: bool = False, prompt_lookup: int | bool = False, **template_kwargs: Any):
         """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces).
-        Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``."""
+        Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``,
+        audio clips as ``{"type": "audio", "audio": path | bytes | file | array | (array, sample_rate)}``."""
         m = self.model
         inputs.messages(messages)
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
@@ -205,7 +223,7 @@ class ChatSession:
         ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
         return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
                        truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
-                       drafts=drafts)
+                       drafts=drafts, audio=message_audio(messages))
 
     def reset(self) -> None:
         with self._lock:

@@ -36,14 +36,18 @@ EG2_TEXT = dict(vocab_size=512, hidden_size=40, intermediate_size=64, num_hidden
 
 
 IMG, BOI, EOI = 60, 61, 62  # image / begin-of-image / end-of-image ids: unused ids of the tiny vocabulary
+AUD, BOA, EOA = 63, 64, 65  # audio / begin-of-audio / end-of-audio ids
 
 
-def write_tokenizer_with_image_tokens(path) -> None:
-    """The tiny tokenizer (hf_oracle), with the image tokens at IMG / BOI / EOI (special, as in Gemma 4's)."""
+def write_tokenizer_with_image_tokens(path, audio: bool = False) -> None:
+    """The tiny tokenizer (hf_oracle), with the image tokens at IMG / BOI / EOI (special, as in
+    Gemma 4's), and with ``audio`` the audio tokens at AUD / BOA / EOA."""
     hf_oracle.write_tiny_tokenizer(path)
     f = Path(path) / "tokenizer.json"
     t = json.loads(f.read_text())
-    for tid, text in ((IMG, "<|image|>"), (BOI, "<|image>"), (EOI, "<image|>")):
+    media = ((IMG, "<|image|>"), (BOI, "<|image>"), (EOI, "<image|>"))
+    media += ((AUD, "<|audio|>"), (BOA, "<|audio>"), (EOA, "<audio|>")) if audio else ()
+    for tid, text in media:
         del t["model"]["vocab"][f"<unused{tid}>"]
         t["model"]["vocab"][text] = tid
         t["added_tokens"].append({"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,

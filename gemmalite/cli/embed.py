@@ -15,10 +15,11 @@ def cmd_embed(a: argparse.Namespace) -> int:
 
     if bool(a.input) != bool(a.output):
         raise ValueError("corpus mode needs both --input and --output")
-    if a.input and (a.texts or a.image):
-        raise ValueError("give TEXT / --image arguments or --input, not both")
-    if not a.input and not a.texts and not a.image:
-        raise ValueError("nothing to embed: give TEXT or --image arguments, or --input corpus.jsonl --output vectors.parquet")
+    if a.input and (a.texts or a.image or a.audio):
+        raise ValueError("give TEXT / --image / --audio arguments or --input, not both")
+    if not a.input and not a.texts and not a.image and not a.audio:
+        raise ValueError("nothing to embed: give TEXT, --image or --audio arguments, or --input corpus.jsonl "
+                         "--output vectors.parquet")
     use_threads(a)
     emb = load_embedder(a.model, quant=a.quant, threads=a.threads)
     kw = dict(prompt_name=a.prompt_name, prompt=a.prompt, dimensions=a.dimensions, batch_size=a.batch_size,
@@ -27,7 +28,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
         from ..embeddings.corpus import embed_corpus
 
         r = embed_corpus(emb, a.input, a.output, text_field=a.text_field, id_field=a.id_field,
-                         image_field=a.image_field or None, chunk_size=a.chunk_size, progress=not a.quiet, **kw)
+                         image_field=a.image_field or None, audio_field=a.audio_field or None, chunk_size=a.chunk_size, progress=not a.quiet, **kw)
         if a.json:
             print(json.dumps(r))
         else:
@@ -37,8 +38,10 @@ def cmd_embed(a: argparse.Namespace) -> int:
         return 0
     from pathlib import Path
 
-    inputs = list(a.texts) + [Path(p) for p in a.image]  # one embedding per TEXT, then per --image
-    labels = [repr(t if len(t) <= 50 else t[:47] + "...") for t in a.texts] + [f"image {p}" for p in a.image]
+    # one embedding per TEXT, then per --image, then per --audio
+    inputs = list(a.texts) + [Path(p) for p in a.image] + [{"audio": Path(p)} for p in a.audio]
+    labels = ([repr(t if len(t) <= 50 else t[:47] + "...") for t in a.texts] + [f"image {p}" for p in a.image]
+              + [f"audio {p}" for p in a.audio])
     vecs = emb.embed(inputs, max_soft_tokens=a.max_soft_tokens, **kw)
     if a.json:
         print(json.dumps({"model": a.model, "dimensions": int(vecs.shape[1]),
@@ -59,6 +62,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("texts", nargs="*", metavar="TEXT")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="embed this image (repeatable; one embedding each, after the TEXTs)")
+    p.add_argument("--audio", action="append", default=[], metavar="PATH",
+                   help="embed this sound clip, WAV / FLAC / OGG / MP3 (repeatable; one embedding each, after the images)")
     p.add_argument("--max-soft-tokens", type=int, default=None, choices=[70, 140, 280, 560, 1120],
                    help="image budget in soft tokens (default: the checkpoint's processor setting)")
     g = p.add_mutually_exclusive_group()
@@ -68,7 +73,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--batch-size", type=int, default=32)
     threads_arg(p)
-    p.add_argument("--truncate", action="store_true", help="cut texts longer than the model's maximum")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut texts longer than the model's maximum, and clips to their first 30 s")
     p.add_argument("--json", action="store_true", help="print JSON")
     c = p.add_argument_group("corpus mode")
     c.add_argument("--input", default=None, help="JSONL: objects with a text (and id) field, or strings")
@@ -77,6 +83,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--id-field", default="id")
     c.add_argument("--image-field", default="image",
                    help="field with an image path or a list of paths, relative to the JSONL file ('' for none)")
+    c.add_argument("--audio-field", default="audio",
+                   help="field with an audio path or a list of paths, relative to the JSONL file ('' for none)")
     c.add_argument("--chunk-size", type=int, default=1024, help="records per resumable part")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)

@@ -75,24 +75,25 @@ def stream_out(pieces) -> tuple[str, bool]:
     return "".join(out), False
 
 
-def _user(text: str, images: list[str]) -> dict[str, Any]:
-    """A user message; with images, in the content-part form (pictures first, then the text)."""
-    if not images:
+def _user(text: str, images: list[str], audio: list[str] = ()) -> dict[str, Any]:
+    """A user message; with images or audio, in the content-part form (pictures, then clips, then the text)."""
+    if not images and not audio:
         return {"role": "user", "content": text}
-    return {"role": "user", "content": [{"type": "image", "path": p} for p in images] + [{"type": "text", "text": text}]}
+    return {"role": "user", "content": [{"type": "image", "path": p} for p in images]
+            + [{"type": "audio", "path": p} for p in audio] + [{"type": "text", "text": text}]}
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     model = load_model(a)
     kw = _gen_kwargs(a)
     use_chat = not a.raw and model.tokenizer.chat_template is not None
-    if a.image and not use_chat:
-        raise ValueError("--image needs the chat template (not --raw)")
+    if (a.image or a.audio) and not use_chat:
+        raise ValueError(f"--{'image' if a.image else 'audio'} needs the chat template (not --raw)")
     if not a.raw and not use_chat:
         print(f"gemmalite: {a.model} has no chat template (a base model): continuing the prompt as plain text",
               file=sys.stderr)
     t0 = time.perf_counter()
-    pieces = model.chat([_user(a.prompt, a.image)], stream=True, **kw) if use_chat else \
+    pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, **kw) if use_chat else \
         model.generate(a.prompt, stream=True, **kw)
     _, stopped = stream_out(pieces)
     if stopped:
@@ -110,11 +111,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
     kw = _gen_kwargs(a)
     messages: list[dict[str, Any]] = [{"role": "system", "content": a.system}] if a.system else []
     images: list[str] = []  # attached to the next message
+    audio: list[str] = []
     if model.tokenizer.chat_template is None:
         print(f"gemmalite: warning: {a.model} has no chat template of its own (a base model?): using the generic "
               "Gemma template, and replies may be poor; `gemmalite run` continues plain text", file=sys.stderr)
-    print("gemmalite chat: type a message; /image PATH attaches a picture to the next one, /reset starts over, "
-          "/quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+    print("gemmalite chat: type a message; /image PATH attaches a picture to the next one, /audio PATH a sound clip, "
+          "/reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     prompt = "> " if sys.stdin.isatty() else ""
     while True:
         try:
@@ -126,19 +128,22 @@ def cmd_chat(a: argparse.Namespace) -> int:
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if a.system else []
-            images = []
+            images, audio = [], []
             model.reset_chat()
             continue
         if line.startswith("/image "):
             images.append(line[len("/image "):].strip())
             continue
+        if line.startswith("/audio "):
+            audio.append(line[len("/audio "):].strip())
+            continue
         if not line.strip():
             continue
-        messages.append(_user(line, images))
-        images = []
+        messages.append(_user(line, images, audio))
+        images, audio = [], []
         try:
             reply, stopped = stream_out(model.chat(messages, stream=True, **kw))
-        except ValueError as e:  # a bad picture (or too long a conversation): say so, keep chatting
+        except ValueError as e:  # a bad picture or clip (or too long a conversation): say so, keep chatting
             print(f"gemmalite: error: {e}", file=sys.stderr)
             messages.pop()
             continue
@@ -155,6 +160,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="continue the prompt text as is (no chat template even when there is one)")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="a picture for the prompt (repeatable; needs a checkpoint with a vision tower)")
+    p.add_argument("--audio", action="append", default=[], metavar="PATH",
+                   help="a sound clip for the prompt: WAV, FLAC, OGG or MP3 (repeatable; needs a checkpoint with an audio tower)")
     p.add_argument("-v", "--verbose", action="store_true")
     _sampling_args(p)
     p.set_defaults(func=cmd_run)

@@ -1,9 +1,10 @@
 """Embed a JSONL corpus into a Parquet file: streaming, resumable, with progress.
 
-Input: one JSON value per line, either an object with a text field and / or an image field
-(a path, or a list of paths, relative to the JSONL file's folder; optionally an id field) or a
-bare string; blank lines are skipped; a record without an id gets its record number. A record
-with a text and images is one interleaved input, its parts in the record's key order. Output: Parquet with columns ``id`` (int64 or string, as the first record's) and
+Input: one JSON value per line, either an object with a text field and / or an image field and /
+or an audio field (a path, or a list of paths, relative to the JSONL file's folder; optionally an
+id field) or a bare string; blank lines are skipped; a record without an id gets its record
+number. A record with a text and images or clips is one interleaved input, its parts in the
+record's key order. Output: Parquet with columns ``id`` (int64 or string, as the first record's) and
 ``embedding`` (fixed-size list of float32).
 
 Resumability: records are embedded in chunks of ``chunk_size``; each finished chunk is
@@ -39,9 +40,9 @@ def _require_pyarrow():
     return pa, pq
 
 
-def read_records(path: Path, text_field: str = "text", id_field: str = "id",
-                 image_field: str | None = "image") -> Iterator[tuple[Any, Any]]:
-    """``(id, input)`` per non-blank line (input: a text, or a list of parts with image paths);
+def read_records(path: Path, text_field: str = "text", id_field: str = "id", image_field: str | None = "image",
+                 audio_field: str | None = "audio") -> Iterator[tuple[Any, Any]]:
+    """``(id, input)`` per non-blank line (input: a text, or a list of parts with image / audio paths);
     InputError naming the line on anything malformed."""
     n = 0
     with open(path, encoding="utf-8") as f:
@@ -55,7 +56,7 @@ def read_records(path: Path, text_field: str = "text", id_field: str = "id",
             if isinstance(rec, str):
                 rid, item = n, rec
             elif isinstance(rec, dict):
-                rid, item = rec.get(id_field, n), _record_input(rec, path, lineno, text_field, image_field)
+                rid, item = rec.get(id_field, n), _record_input(rec, path, lineno, text_field, image_field, audio_field)
             else:
                 raise InputError(f"{path}:{lineno}: expected an object or a string, got {type(rec).__name__}")
             if isinstance(item, str) and not item:
@@ -66,11 +67,13 @@ def read_records(path: Path, text_field: str = "text", id_field: str = "id",
             n += 1
 
 
-def _record_input(rec: dict, path: Path, lineno: int, text_field: str, image_field: str | None) -> Any:
-    """A record's text, or its parts (text and image paths, in the record's key order)."""
-    if image_field is None or image_field not in rec:
+def _record_input(rec: dict, path: Path, lineno: int, text_field: str, image_field: str | None,
+                  audio_field: str | None = None) -> Any:
+    """A record's text, or its parts (text, image and audio paths, in the record's key order)."""
+    media = [f for f in (image_field, audio_field) if f]
+    if not any(f in rec for f in media):
         if text_field not in rec:
-            fields = repr(text_field) + (f" or {image_field!r}" if image_field else "")
+            fields = " or ".join(repr(f) for f in [text_field, *media])
             raise InputError(f"{path}:{lineno}: no {fields} field")
         if not isinstance(rec[text_field], str) or not rec[text_field]:
             raise InputError(f"{path}:{lineno}: the text must be a non-empty string")
@@ -81,11 +84,14 @@ def _record_input(rec: dict, path: Path, lineno: int, text_field: str, image_fie
             if not isinstance(value, str) or not value:
                 raise InputError(f"{path}:{lineno}: the text must be a non-empty string")
             parts.append(value)
-        elif key == image_field:
+        elif key in media:
             paths = value if isinstance(value, list) else [value]
             if not paths or not all(isinstance(v, str) and v for v in paths):
-                raise InputError(f"{path}:{lineno}: {image_field!r} must be a path or a list of paths")
-            parts += [path.parent / v for v in paths]  # Path: an image (a str would be text)
+                raise InputError(f"{path}:{lineno}: {key!r} must be a path or a list of paths")
+            if key == image_field:
+                parts += [path.parent / v for v in paths]  # Path: an image (a str would be text)
+            else:
+                parts += [{"audio": path.parent / v} for v in paths]
     return parts
 
 
@@ -97,7 +103,8 @@ def _count_records(path: Path) -> int:
 def embed_corpus(embedder, input_path: str | Path, output_path: str | Path, *, prompt_name: str | None = None,
                  prompt: str | None = None, dimensions: int | None = None, batch_size: int = 32,
                  truncate: bool = False, text_field: str = "text", id_field: str = "id",
-                 image_field: str | None = "image", chunk_size: int = PART_ROWS, progress: bool = True) -> dict:
+                 image_field: str | None = "image", audio_field: str | None = "audio", chunk_size: int = PART_ROWS,
+                 progress: bool = True) -> dict:
     """Embed every record of ``input_path`` into ``output_path`` (Parquet); resumes an interrupted run.
 
     Returns ``{"rows", "resumed_rows", "seconds", "texts_per_s", "output"}``."""
@@ -114,14 +121,15 @@ def embed_corpus(embedder, input_path: str | Path, output_path: str | Path, *, p
     parts = out.with_name(out.name + ".parts")
     manifest = {"model": str(embedder.source), "input": str(src.resolve()), "prompt": pre, "dimensions": dim,
                 "truncate": bool(truncate), "text_field": text_field, "id_field": id_field, "image_field": image_field,
+                "audio_field": audio_field,
                 "chunk_size": int(chunk_size)}
     done = _resume(parts, manifest, pq)
     total = _count_records(src)
     t0 = time.perf_counter()
     bar = tqdm(total=total, initial=done, unit="inputs", desc="embedding", disable=not progress, smoothing=0.1)
-    first = next(read_records(src, text_field, id_field, image_field), None)
+    first = next(read_records(src, text_field, id_field, image_field, audio_field), None)
     id_type = pa.int64() if first is None or isinstance(first[0], int) else pa.string()
-    records = itertools.islice(read_records(src, text_field, id_field, image_field), done, None)  # skip finished parts
+    records = itertools.islice(read_records(src, text_field, id_field, image_field, audio_field), done, None)  # skip finished parts
     part_no = done // chunk_size
     while True:
         chunk = [r for _, r in zip(range(chunk_size), records)]

@@ -9,11 +9,12 @@ cut is re-normalised.
 Batches are sorted by length and packed (`EncoderGraph` computes no padding), then put back
 in input order, so a batch gives the same vectors as one text at a time.
 
-Images (`media`): an input with pictures is written as the EmbeddingGemma2Processor's text,
-its parts in order with an ``<|image|>`` (``<|video|>``) placeholder per picture (video), then
-tokenized like a text; each placeholder becomes ``<|image>`` + N soft-token rows + ``<image|>``
-(one such block per video frame), and those rows take the vision tower's soft tokens instead
-of token embeddings; the encoder, pooling (over every row) and normalisation are the text's.
+Images and audio (`media`): an input with pictures or clips is written as the
+EmbeddingGemma2Processor's text, its parts in order with an ``<|image|>`` (``<|video|>``,
+``<|audio|>``) placeholder per picture (video, clip), then tokenized like a text; each
+placeholder becomes ``<|image>`` + N soft-token rows + ``<image|>`` (one such block per video
+frame; ``<|audio>`` ... ``<audio|>`` for a clip), and those rows take the tower's soft tokens
+instead of token embeddings; the encoder, pooling (over every row) and normalisation are the text's.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError, ContextError, ImageError, InputError, TokenizerError
+from ..audio.decode import SAMPLE_RATE, load_audio
+from ..audio.features import WINDOW_SAMPLES
+from ..errors import AudioError, CheckpointError, ContextError, ImageError, InputError, TokenizerError
+from ..runtime.engine import place_blocks
 from ..runtime.threads import check_threads, compute
 from .media import Part, parse_inputs, placeholder_text
 from .st_files import PipelineConfig, read_pipeline
@@ -34,10 +38,11 @@ class Embedder:
     """An EmbeddingGemma 2 embedder of texts, images and both. Thread-safe; build it with `load_embedder`."""
 
     def __init__(self, graph, tokenizer, pipeline: PipelineConfig, max_length: int, source: str = "",
-                 threads: int | None = None, vision=None):
+                 threads: int | None = None, vision=None, audio=None):
         self.graph = graph
         self.threads = threads  # compute threads per pass; None = as many as the machine gives
         self.vision = vision  # gemmalite.vision.prompt.Vision, when the checkpoint has a vision tower
+        self.audio = audio  # gemmalite.audio.prompt.Audio, when the checkpoint has an audio tower
         self.cfg = graph.cfg
         self.tokenizer = tokenizer  # gemmalite Tokenizer or None (ids only)
         self.pipeline = pipeline
@@ -63,21 +68,31 @@ class Embedder:
 
         ``inputs``: one input or a list of them. An input is a text (a ``str`` is always text), an
         image (``pathlib.Path``, bytes, a file object, a PIL image or a uint8 array), a video
-        (``{"video": [frame, ...]}``), or a list of such parts (or a dict ``{"text": ..., "image":
-        ...}``, parts in key order), which gives ONE embedding of the parts interleaved.
+        (``{"video": [frame, ...]}``), an audio clip (``{"audio": clip}``), or a list of such parts
+        (or a dict ``{"text": ..., "image": ..., "audio": ...}``, parts in key order), which gives
+        ONE embedding of the parts interleaved.
 
         ``prompt_name``: a task prompt of the checkpoint's table (`prompts`); ``prompt``: a literal
         prefix instead. Neither: the checkpoint's default prompt, if any; it goes before the whole
         input. A text longer than `max_length` tokens raises `ContextError` naming it, unless
         ``truncate`` (then it keeps its first tokens and the special tokens, as sentence-transformers
-        truncates; inputs with pictures are never cut). ``max_soft_tokens`` overrides the image
+        truncates; inputs with pictures are never cut; a clip longer than 30 s raises `ContextError`,
+        or with ``truncate`` keeps its first 30 s as the reference does). ``max_soft_tokens`` overrides the image
         processor's budget per image (70, 140, 280, 560, 1120).
         """
+        self._dimensions(dimensions)
+        return self.embed_prepared(self.prepare(inputs, prompt_name=prompt_name, prompt=prompt, truncate=truncate,
+                                                max_soft_tokens=max_soft_tokens), dimensions=dimensions,
+                                   batch_size=batch_size)
+
+    def prepare(self, inputs, *, prompt_name: str | None = None, prompt: str | None = None, truncate: bool = False,
+                max_soft_tokens: int | None = None) -> tuple[list[np.ndarray], list | None]:
+        """`embed`'s first half: each input's token ids as the encoder runs them (pictures and clips
+        expanded) and its soft tokens (``None`` for text-only calls); a server counts usage from them."""
         items = parse_inputs(inputs)
         text_prompt = self.resolve_prompt(prompt_name, prompt)
         if all(isinstance(it, str) for it in items):  # texts only: the batched tokenizer path
-            ids = self.tokenize(items, prompt=text_prompt, truncate=truncate)
-            return self._embed(ids, dimensions, batch_size)
+            return self.tokenize(items, prompt=text_prompt, truncate=truncate), None
         seqs: list[np.ndarray] = [None] * len(items)  # type: ignore[list-item]
         soft: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(items)
         texts = [i for i, it in enumerate(items) if isinstance(it, str)]
@@ -86,8 +101,13 @@ class Embedder:
             seqs[i] = ids
         for i, it in enumerate(items):
             if not isinstance(it, str):
-                seqs[i], soft[i] = self._media_ids(i, it, text_prompt, max_soft_tokens)
-        return self._embed(seqs, dimensions, batch_size, soft)
+                seqs[i], soft[i] = self._media_ids(i, it, text_prompt, max_soft_tokens, truncate)
+        return seqs, soft
+
+    def embed_prepared(self, prepared: tuple[list[np.ndarray], list | None], *, dimensions: int | None = None,
+                       batch_size: int = 32) -> np.ndarray:
+        """`embed`'s second half: the unit rows of what `prepare` returned."""
+        return self._embed(prepared[0], dimensions, batch_size, prepared[1])
 
     def embed_ids(self, sequences: Sequence[Sequence[int]], *, dimensions: int | None = None,
                   batch_size: int = 32) -> np.ndarray:
@@ -158,24 +178,48 @@ class Embedder:
             self._truncating = tk
         return self._truncating
 
-    def _media_ids(self, i: int, parts: list[Part], prompt: str,
-                   max_soft_tokens: int | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """Token ids of one input with pictures (placeholders expanded) and its soft-token rows."""
-        if self.vision is None:
-            raise ImageError(f"inputs[{i}] has an image or video, but {self.source or 'this model'} has no vision tower")
+    def _media_ids(self, i: int, parts: list[Part], prompt: str, max_soft_tokens: int | None,
+                   truncate: bool = False) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Token ids of one input with pictures or clips (placeholders expanded) and its soft-token rows.
+        A clip longer than the reference's 30 s raises `ContextError` unless ``truncate`` (its first
+        30 s then, as transformers' feature extractor cuts it)."""
         if self.tokenizer is None:
             raise TokenizerError(f"{self.source}: this checkpoint has no tokenizer; use embed_ids")
-        text, images, videos = placeholder_text(parts, prompt)
+        text, images, videos, clips = placeholder_text(parts, prompt)
+        if (images or videos) and self.vision is None:
+            raise ImageError(f"inputs[{i}] has an image or video, but {self.source or 'this model'} has no vision tower")
+        if clips and self.audio is None:
+            raise AudioError(f"inputs[{i}] has an audio clip, but {self.source or 'this model'} has no audio tower")
         ids = np.asarray(self.tokenizer.tk.encode(text, add_special_tokens=True).ids, dtype=np.int64)
+        slots = []
         try:
-            with compute(self.threads):  # the vision tower's kernels share numba's process-wide pool
-                p = self.vision.prompt(ids, images, videos=videos, max_soft_tokens=max_soft_tokens)
-        except ImageError as e:
-            raise ImageError(f"inputs[{i}]: {e}") from None
-        if len(p.ids) > self.max_length:
-            raise ContextError(f"inputs[{i}] is {len(p.ids)} tokens long with its pictures, more than the model's "
-                               f"{self.max_length} (inputs with pictures are not cut)")
-        return p.ids, (p.rows, p.vectors)
+            with compute(self.threads):  # the towers' kernels share numba's process-wide pool
+                if images or videos:
+                    slots += self.vision.blocks(ids, images, videos=videos, max_soft_tokens=max_soft_tokens)
+                if clips:
+                    slots += self.audio.blocks(ids, [self._clip(i, k, c, truncate) for k, c in enumerate(clips)])
+        except (ImageError, AudioError) as e:
+            raise type(e)(f"inputs[{i}]: {e}") from None
+        expanded, soft = place_blocks(ids, slots, self.cfg.hidden_size)
+        if len(expanded) > self.max_length:
+            raise ContextError(f"inputs[{i}] is {len(expanded)} tokens long with its pictures and clips, more than the "
+                               f"model's {self.max_length} (inputs with pictures or clips are not cut)")
+        return expanded, (soft.rows, soft.vectors)
+
+    @staticmethod
+    def _clip(i: int, k: int, clip, truncate: bool) -> np.ndarray:
+        """One clip's samples, at most the reference's 30 s (cut only with ``truncate``)."""
+        try:
+            samples = load_audio(clip)
+        except AudioError as e:
+            raise AudioError(f"inputs[{i}]: audio clip {k}: {e}") from None
+        if len(samples) > WINDOW_SAMPLES:
+            if not truncate:
+                raise ContextError(f"inputs[{i}]: audio clip {k} is {len(samples) / SAMPLE_RATE:.2f} s long, more than "
+                                   f"the model's {WINDOW_SAMPLES // SAMPLE_RATE} s (pass truncate=True to keep its "
+                                   "start, as transformers does)")
+            samples = samples[:WINDOW_SAMPLES]
+        return samples
 
     def _embed(self, seqs: list[np.ndarray], dimensions: int | None, batch_size: int,
                soft: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> np.ndarray:
@@ -238,6 +282,7 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     from ..models.gemma.contract import check_tensors
     from ..models.gemma.encoder import EncoderConfig, build_encoder, encoder_shapes
     from ..tokenizer import load_tokenizer_folder
+    from ..audio.prompt import folder_audio
     from ..vision.prompt import folder_vision
 
     if quant not in QUANT_KINDS:
@@ -254,8 +299,10 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     if pipeline.truncate_dim is not None and not 1 <= pipeline.truncate_dim <= cfg.embedding_dim:
         raise CheckpointError(f"{p}: truncate_dim {pipeline.truncate_dim} is not within 1..{cfg.embedding_dim}")
     tokenizer = load_tokenizer_folder(p)
-    vision = folder_vision(p, raw, read_tensors(p, raw), quant)  # tower tensors memory-mapped, built on first image
-    return Embedder(graph, tokenizer, pipeline, _max_length(p, cfg, pipeline), str(p), threads=threads, vision=vision)
+    tensors = read_tensors(p, raw)  # tower tensors memory-mapped, each tower built on first use
+    vision, audio = folder_vision(p, raw, tensors, quant), folder_audio(raw, tensors, quant)
+    return Embedder(graph, tokenizer, pipeline, _max_length(p, cfg, pipeline), str(p), threads=threads, vision=vision,
+                    audio=audio)
 
 
 def _max_length(folder: Path, cfg, pipeline: PipelineConfig) -> int:

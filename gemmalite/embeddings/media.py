@@ -6,8 +6,10 @@ An input is one of
   uint8 array (decoded and converted by `gemmalite.vision.preprocess`);
 * a video: ``{"video": [frame, ...]}`` (frames are images) or ``{"video": Path("clip.mp4")}``
   (decoded with PyAV, the ``video`` extra, sampled as the reference samples files);
-* a list or tuple of such parts, or a dict ``{"text": ..., "image": ..., "video": ...}`` whose
-  parts follow the key order (as sentence-transformers and egemma2 take them): ONE input.
+* an audio clip: ``{"audio": clip}`` (a path, bytes, a file object, a 16 kHz array or
+  ``(array, sample_rate)``, decoded by `gemmalite.audio.decode.load_audio`; a list: several);
+* a list or tuple of such parts, or a dict ``{"text": ..., "image": ..., "video": ..., "audio":
+  ...}`` whose parts follow the key order (as sentence-transformers and egemma2 take them): ONE input.
 
 ``embed(x)`` with a single input gives one row; a list gives one row per element.
 """
@@ -22,12 +24,13 @@ from ..errors import InputError
 
 IMAGE_PLACEHOLDER = "<|image|>"
 VIDEO_PLACEHOLDER = "<|video|>"
+AUDIO_PLACEHOLDER = "<|audio|>"
 #: what goes between two parts of one input in the processor's text: nothing, as egemma2 0.3.2
 #: joins them (measured on the real-shape synth checkpoint: "a photo of<|image|>" matches its
 #: vectors to cosine 0.99997, the image-alone level; with " " or "\n" 0.998-0.999)
 PART_SEPARATOR = ""
 
-Part = Union[str, tuple[str, Any]]  # text, or ("image", image) / ("video", frames)
+Part = Union[str, tuple[str, Any]]  # text, or ("image", image) / ("video", frames) / ("audio", clip)
 Item = Union[str, list[Part]]  # a text input, or the parts of an input with pictures
 
 
@@ -82,6 +85,11 @@ def _parts(x: Any, where: str) -> list[Part]:
             elif key == "image":
                 images = value if isinstance(value, (list, tuple)) else [value]
                 out += [("image", _image(v, f"{where}['image']")) for v in images]
+            elif key == "audio":
+                clips = value if isinstance(value, list) else [value]  # a tuple is (array, sample_rate)
+                if not clips or any(c is None or isinstance(c, str) and not c for c in clips):
+                    raise InputError(f"{where}['audio'] must be a clip or a non-empty list of clips")
+                out += [("audio", c) for c in clips]
             elif key == "video":
                 if isinstance(value, os.PathLike):  # a file, decoded with PyAV (the video extra)
                     out.append(("video", value))
@@ -90,7 +98,7 @@ def _parts(x: Any, where: str) -> list[Part]:
                     raise InputError(f"{where}['video'] must be a non-empty list of frames or a pathlib.Path")
                 out.append(("video", [_image(v, f"{where}['video']") for v in value]))
             else:
-                raise InputError(f"{where} has an unknown part {key!r} (text, image or video)")
+                raise InputError(f"{where} has an unknown part {key!r} (text, image, video or audio)")
         return out
     return [("image", _image(x, where))]
 
@@ -102,17 +110,17 @@ def _image(x: Any, where: str) -> Any:
     return x
 
 
-def placeholder_text(parts: list[Part], prompt: str = "") -> tuple[str, list[Any], list[list[Any]]]:
-    """The processor's text for one input (a placeholder per picture, parts joined by
-    `PART_SEPARATOR`, the prompt first), its images and its videos, each in order."""
-    pieces, images, videos = [], [], []
+def placeholder_text(parts: list[Part], prompt: str = "") -> tuple[str, list[Any], list[list[Any]], list[Any]]:
+    """The processor's text for one input (a placeholder per picture or clip, parts joined by
+    `PART_SEPARATOR`, the prompt first), its images, its videos and its audio clips, each in order."""
+    pieces, images, videos, clips = [], [], [], []
+    placeholder = {"image": (IMAGE_PLACEHOLDER, images), "video": (VIDEO_PLACEHOLDER, videos),
+                   "audio": (AUDIO_PLACEHOLDER, clips)}
     for p in parts:
         if isinstance(p, str):
             pieces.append(p)
-        elif p[0] == "image":
-            pieces.append(IMAGE_PLACEHOLDER)
-            images.append(p[1])
         else:
-            pieces.append(VIDEO_PLACEHOLDER)
-            videos.append(p[1])
-    return prompt + PART_SEPARATOR.join(pieces), images, videos
+            mark, into = placeholder[p[0]]
+            pieces.append(mark)
+            into.append(p[1])
+    return prompt + PART_SEPARATOR.join(pieces), images, videos, clips

@@ -70,6 +70,49 @@ class SoftTokens:
         return out.tolist()
 
 
+KEY_SPACE = 1 << 62
+
+
+@dataclass(frozen=True)
+class Block:
+    """One input's soft tokens as they enter a prompt, ``begin`` + N x ``token`` + ``end`` (a
+    picture, a video frame, an audio clip); ``digest`` identifies the input (KV-cache reuse)."""
+
+    begin: int
+    token: int
+    end: int
+    vectors: np.ndarray  # float32 [N, H]
+    digest: bytes
+
+
+def place_blocks(ids: np.ndarray, slots: list[tuple[int, list[Block]]], hidden: int) -> tuple[np.ndarray, SoftTokens | None]:
+    """``ids`` with each placeholder at a slot position replaced by its blocks (in order), as the
+    Gemma 4 / EmbeddingGemma 2 processors expand them, and the soft tokens of the new rows (None
+    without slots). ``hidden``: the vectors' width (for an empty result)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if not slots:
+        return ids, None
+    pieces, rows, vectors, keys = [], [], [], []
+    start = offset = 0
+    for slot, blocks in sorted(slots, key=lambda s: s[0]):
+        pieces.append(ids[start:slot])
+        offset += slot - start
+        for b in blocks:
+            n = b.vectors.shape[0]
+            pieces += [[b.begin], np.full(n, b.token), [b.end]]
+            rows.append(np.arange(offset + 1, offset + 1 + n))
+            vectors.append(b.vectors)
+            base = int.from_bytes(b.digest[:8], "little") % KEY_SPACE
+            keys.append(-1 - (base + np.arange(n, dtype=np.int64)) % KEY_SPACE)
+            offset += n + 2
+        start = slot + 1
+    pieces.append(ids[start:])
+    expanded = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
+    if not vectors:
+        return expanded, SoftTokens(np.zeros(0, np.int64), np.zeros((0, hidden), np.float32), np.zeros(0, np.int64))
+    return expanded, SoftTokens(np.concatenate(rows), np.concatenate(vectors), np.concatenate(keys))
+
+
 class Engine:
     """Shared, read-only weights and the public step functions over a `KVState`."""
 

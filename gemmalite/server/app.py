@@ -25,12 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..audio.prompt import message_audio
+from ..errors import AudioError, ImageError
 from ..runtime.engine import SoftTokens
 from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
 from .metrics import Metrics
-from .protocol import (APIError, Generation, Limits, bad, chat_messages, completion_prompt, embedding_inputs,
-                       generation, opt_int, require_model)
+from .protocol import (APIError, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt, embedding_inputs,
+                       generation, opt_int, require_model, transcription_messages, transcription_options)
 from .scheduler import Finish, Overloaded, Piece, Scheduler, Sequence
 from .ui import ui_routes
 
@@ -74,8 +76,7 @@ class Server:
             raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key")
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.limits.max_body_bytes
+    async def read_body(self, request: Request, limit: int) -> bytes:
         too_big = APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
         try:
             if int(request.headers.get("content-length", "0")) > limit:
@@ -87,6 +88,33 @@ class Server:
             body += chunk
             if len(body) > limit:
                 raise too_big
+        return bytes(body)
+
+    async def read_form(self, request: Request) -> dict[str, Any]:
+        """A multipart form (one file at most), its body bounded by the file's bound plus 64 KiB of fields."""
+        body = await self.read_body(request, self.limits.max_audio_bytes + (64 << 10))
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            form = await Request(request.scope, receive).form(max_files=1, max_fields=16)
+        except AssertionError as e:  # Starlette without python-multipart
+            raise APIError(501, f"this server cannot read forms: {e}", type="server_error") from None
+        except HTTPException as e:
+            raise bad(f"the request is not a valid multipart form: {e.detail}") from None
+        except Exception as e:  # the form parser's own errors
+            raise bad(f"the request is not a valid multipart form: {e}") from None
+        out: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            if key in out:
+                raise bad(f"the form field {key!r} is given twice", key)
+            out[key] = await value.read() if hasattr(value, "read") else value
+        await form.close()
+        return out
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        body = await self.read_body(request, self.limits.max_body_bytes)
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError):
@@ -143,8 +171,8 @@ class Server:
                         prediction=prediction or [])
 
     async def _run(self, request: Request, seq: Sequence, gen: Generation, chunk: Callable[..., dict],
-                   final: Callable[[str, Finish], dict]) -> Response:
-        """Submit ``seq``; answer with an SSE stream of ``chunk`` events or one ``final`` body."""
+                   final: Callable[[str, Finish], dict | Response]) -> Response:
+        """Submit ``seq``; answer with an SSE stream of ``chunk`` events or one ``final`` body (or response)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         seq.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         try:
@@ -168,7 +196,8 @@ class Server:
                     text.append(ev.text)
                     continue
                 self._check_finish(ev)
-                return JSONResponse(final("".join(text), ev))
+                out = final("".join(text), ev)
+                return out if isinstance(out, Response) else JSONResponse(out)
         finally:
             seq.cancel()  # a no-op once finished; frees the slot if the client left
 
@@ -204,30 +233,39 @@ class Server:
         finally:
             seq.cancel()  # the client went away mid-stream (or we are done): free the slot
 
+    async def _chat_sequence(self, messages: list[dict[str, Any]], gen: Generation, param: str = "messages") -> Sequence:
+        """A conversation as the scheduler runs it: rendered, its pictures and clips through their
+        towers (here, in a worker thread, not in the scheduler), checked against the context."""
+        images, clips = message_images(messages), message_audio(messages)
+        if images and self.model.vision is None:
+            raise bad(f"the model {self.model_id!r} has no vision tower: it takes no image_url parts", param,
+                      "images_not_supported")
+        if clips and self.model.audio is None:
+            raise bad(f"the model {self.model_id!r} has no audio tower: it takes no audio", param, "audio_not_supported")
+        try:
+            ids = await run_in_threadpool(self.tokenizer.chat_ids, messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise bad(f"cannot render the conversation: {e}", param) from None
+        except Exception as e:  # jinja2's TemplateError (the template's raise_exception)
+            raise bad(f"the chat template refused the conversation: {e}", param) from None
+        soft = None
+        if images or clips:
+            try:
+                arr, soft = await run_in_threadpool(self.model.with_media, ids, images, clips,
+                                                    max_pixels=self.limits.max_image_pixels,
+                                                    max_seconds=self.limits.max_audio_seconds)
+            except AudioError as e:  # not audio, corrupt, too long, non-finite, placeholders
+                raise bad(str(e), param, "invalid_audio") from None
+            except ValueError as e:  # ImageError: not a picture, corrupt, too many pixels, placeholders
+                raise bad(str(e), param, "invalid_image") from None
+            ids = arr.tolist()
+        return self._prepare(ids, gen, chat=True, soft=soft, prediction=await self._prediction_ids(gen))
+
     async def chat_completions(self, request: Request) -> Response:
         body = await self.read_json(request)
         require_model(body, self.model_id, "chat")
         gen = generation(body, self.limits)
-        messages = chat_messages(body, self.limits)
-        images = message_images(messages)
-        if images and self.model.vision is None:
-            raise bad(f"the model {self.model_id!r} has no vision tower: it takes no image_url parts", "messages",
-                      "images_not_supported")
-        try:
-            ids = await run_in_threadpool(self.tokenizer.chat_ids, messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise bad(f"cannot render the conversation: {e}", "messages") from None
-        except Exception as e:  # jinja2's TemplateError (the template's raise_exception)
-            raise bad(f"the chat template refused the conversation: {e}", "messages") from None
-        soft = None
-        if images:  # decoded and through the vision tower here (a worker thread), not in the scheduler
-            try:
-                arr, soft = await run_in_threadpool(self.model.with_images, ids, images,
-                                                    max_pixels=self.limits.max_image_pixels)
-            except ValueError as e:  # ImageError: not a picture, corrupt, too many pixels, placeholders
-                raise bad(str(e), "messages", "invalid_image") from None
-            ids = arr.tolist()
-        seq = self._prepare(ids, gen, chat=True, soft=soft, prediction=await self._prediction_ids(gen))
+        seq = await self._chat_sequence(chat_messages(body, self.limits), gen)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
 
@@ -266,6 +304,28 @@ class Server:
 
         return await self._run(request, seq, gen, chunk, final)
 
+    async def transcriptions(self, request: Request) -> Response:
+        """OpenAI's ``/v1/audio/transcriptions`` (a multipart form), answered by the chat model
+        with a transcription instruction (`protocol.transcription_messages`)."""
+        form = await self.read_form(request)
+        require_model(form, self.model_id, "transcription")
+        opts = transcription_options(form)
+        clip = form.get("file")
+        if not isinstance(clip, bytes):
+            raise bad("'file' must be an uploaded audio file", "file")
+        clip = clip_bytes(clip, "file", self.limits)
+        gen = Generation(max_tokens=None, stream=False, include_usage=False, sampling={"temperature": opts.temperature})
+        seq = await self._chat_sequence(transcription_messages(clip, opts.language, opts.prompt), gen, param="file")
+
+        def final(text: str, ev: Finish) -> dict | Response:
+            if opts.response_format == "text":
+                return PlainTextResponse(text)
+            return {"text": text, "usage": {"type": "tokens", "input_tokens": ev.prompt_tokens,
+                                            "output_tokens": ev.completion_tokens,
+                                            "total_tokens": ev.prompt_tokens + ev.completion_tokens}}
+
+        return await self._run(request, seq, gen, dict, final)
+
     # -- embeddings, models, health, metrics ----------------------------------------------
     async def embeddings(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -278,16 +338,30 @@ class Server:
         emb = self.embedder
         if are_ids and not hasattr(emb, "embed_ids"):
             raise bad("this embedder takes text input only", "input")
+        parts = not are_ids and not all(isinstance(x, str) for x in inputs)  # the content-part extension
+        if parts and not hasattr(emb, "prepare"):
+            raise bad("this embedder takes text input only", "input")
         kw = {"dimensions": dims} if dims is not None else {}
         fn = emb.embed_ids if are_ids else emb.embed
+        n_tokens = None
         async with self._embed_lock:
             try:
-                vecs = await run_in_threadpool(fn, inputs, **kw)
+                if parts:  # pictures and clips through their towers once; usage counts their soft tokens
+                    prepared = await run_in_threadpool(emb.prepare, inputs)
+                    n_tokens = sum(len(x) for x in prepared[0])
+                    vecs = await run_in_threadpool(lambda: emb.embed_prepared(prepared, **kw))
+                else:
+                    vecs = await run_in_threadpool(fn, inputs, **kw)
+            except AudioError as e:
+                raise bad(str(e), "input", "invalid_audio") from None
+            except ImageError as e:
+                raise bad(str(e), "input", "invalid_image") from None
             except ValueError as e:  # the project's errors: bad dimensions, too long, ...
                 raise bad(str(e), "input") from None
         vecs = np.asarray(vecs, dtype=np.float32)
         self.metrics.inc("gemmalite_embedding_inputs_total", len(inputs))
-        n_tokens = sum(len(x) for x in inputs) if are_ids else await run_in_threadpool(self._count_tokens, inputs)
+        if n_tokens is None:
+            n_tokens = sum(len(x) for x in inputs) if are_ids else await run_in_threadpool(self._count_tokens, inputs)
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()}
                 for i, v in enumerate(vecs)]
@@ -371,6 +445,7 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.route("/v1/chat/completions", srv.chat_completions, ["POST"]),
         srv.route("/v1/completions", srv.completions, ["POST"]),
         srv.route("/v1/embeddings", srv.embeddings, ["POST"]),
+        srv.route("/v1/audio/transcriptions", srv.transcriptions, ["POST"]),
         srv.route("/v1/models", srv.models, ["GET"]),
         srv.route("/v1/capabilities", srv.capabilities, ["GET"]),
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),

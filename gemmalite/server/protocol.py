@@ -41,6 +41,9 @@ class Limits:
     max_images: int = 8  # image_url parts per request
     max_image_bytes: int = 3 << 20  # one decoded picture (its base64 must also fit in the body)
     max_image_pixels: int = 1 << 25  # width x height, read from the header before decoding
+    max_audio: int = 4  # audio clips per request (input_audio parts, a transcription's file)
+    max_audio_bytes: int = 3 << 20  # one encoded clip (its base64 must also fit in the body)
+    max_audio_seconds: float = 120.0  # one clip's length, read from the header before decoding
 
 
 # -- typed field readers -------------------------------------------------------------------
@@ -177,7 +180,7 @@ def chat_messages(body: dict, limits: Limits) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
-    out, images = [], 0
+    out, images, clips = [], 0, 0
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -189,6 +192,9 @@ def chat_messages(body: dict, limits: Limits) -> list[dict[str, Any]]:
         images += sum(1 for p in content if p["type"] == "image") if isinstance(content, list) else 0
         if images > limits.max_images:
             raise bad(f"at most {limits.max_images} images per request", f"{where}.content")
+        clips += sum(1 for p in content if p["type"] == "audio") if isinstance(content, list) else 0
+        if clips > limits.max_audio:
+            raise bad(f"at most {limits.max_audio} audio clips per request", f"{where}.content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
@@ -207,11 +213,14 @@ def _content(c: Any, role: str, where: str, limits: Limits) -> str | list[dict[s
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             parts.append({"type": "image", "image": image_bytes(part.get("image_url"), f"{where}.content[{j}]", limits)})
-        elif kind in ("input_audio", "file"):
-            raise bad(f"{where}.content[{j}]: {kind} parts are not supported by this model", f"{where}.content")
+        elif kind == "input_audio":
+            parts.append({"type": "audio", "audio": audio_bytes(part.get("input_audio"), f"{where}.content[{j}]", limits)})
+        elif kind == "file":
+            raise bad(f"{where}.content[{j}]: file parts are not supported by this server", f"{where}.content")
         else:
-            raise bad(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}} or "
-                      "{'type': 'image_url', 'image_url': {'url': 'data:...'}}", f"{where}.content")
+            raise bad(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}, "
+                      "{'type': 'image_url', 'image_url': {'url': 'data:...'}} or "
+                      "{'type': 'input_audio', 'input_audio': {'data': base64, 'format': 'wav'}}", f"{where}.content")
     if all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)
     return parts
@@ -244,6 +253,124 @@ def image_bytes(image_url: Any, where: str, limits: Limits) -> bytes:
     return data
 
 
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+
+
+def sniff_audio(data: bytes) -> str | None:
+    """The container of encoded audio from its first bytes (None: none we decode). The client's
+    ``format`` is not trusted: the decoder reads what the bytes are."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data[:4] == b"fLaC":
+        return "flac"
+    if data[:4] == b"OggS":
+        return "ogg"
+    if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return None
+
+
+def audio_bytes(input_audio: Any, where: str, limits: Limits) -> bytes:
+    """The clip of an ``input_audio`` part (``{"data": base64, "format": "wav" | "mp3" | ...}``),
+    size-checked before and after decoding, its container sniffed from the bytes. Addresses are
+    refused: this server never fetches anything."""
+    if not isinstance(input_audio, dict) or not isinstance(input_audio.get("data"), str):
+        raise bad(f"{where}.input_audio must be {{'data': base64 string, 'format': 'wav' | 'mp3'}}", where, "invalid_audio")
+    fmt, payload = input_audio.get("format"), input_audio["data"]
+    if fmt is not None and fmt not in AUDIO_FORMATS:
+        raise bad(f"{where}.input_audio.format must be one of {list(AUDIO_FORMATS)}, got {fmt!r}", where, "invalid_audio")
+    if payload.startswith(("http://", "https://", "file:")):
+        raise bad(f"{where}: audio URLs are not fetched by this server; send the clip inline as base64", where,
+                  "audio_url_not_supported")
+    if payload.startswith("data:"):  # a data URL where the bare base64 belongs: take its payload
+        head, comma, payload = payload.partition(",")
+        if not (comma and head.endswith(";base64")):
+            raise bad(f"{where}: input_audio.data must be base64", where, "invalid_audio")
+    return clip_bytes(payload, where, limits)
+
+
+def clip_bytes(payload: str | bytes, where: str, limits: Limits) -> bytes:
+    """Encoded audio (base64 text, or the bytes themselves), within ``max_audio_bytes`` and of a
+    container we decode (sniffed from the first bytes)."""
+    too_big = bad(f"{where}: the audio clip is larger than the {limits.max_audio_bytes} bytes allowed", where,
+                  "audio_too_large")
+    if isinstance(payload, str):
+        if len(payload) > 4 * (limits.max_audio_bytes // 3 + 1):
+            raise too_big
+        try:
+            payload = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad(f"{where}: the audio data is not valid base64", where, "invalid_audio") from None
+    if not payload:
+        raise bad(f"{where}: the audio clip is empty", where, "invalid_audio")
+    if len(payload) > limits.max_audio_bytes:
+        raise too_big
+    if sniff_audio(payload) is None:
+        raise bad(f"{where}: not an audio file this server decodes (WAV, FLAC, OGG or MP3, sniffed from its first bytes)",
+                  where, "invalid_audio")
+    return payload
+
+
+# -- audio transcriptions ---------------------------------------------------------------------
+@dataclass
+class Transcription:
+    """The checked fields of a ``/v1/audio/transcriptions`` form (besides ``file`` and ``model``)."""
+
+    language: str | None
+    prompt: str | None
+    response_format: str  # "json" or "text"
+    temperature: float
+
+
+TRANSCRIPTION_FIELDS = ("file", "model", "prompt", "language", "response_format", "temperature")
+LANGUAGES = {"en": "English", "fr": "French", "de": "German", "es": "Spanish", "it": "Italian", "pt": "Portuguese",
+             "nl": "Dutch", "ru": "Russian", "pl": "Polish", "tr": "Turkish", "ar": "Arabic", "hi": "Hindi",
+             "ja": "Japanese", "ko": "Korean", "zh": "Chinese", "sv": "Swedish", "uk": "Ukrainian", "id": "Indonesian",
+             "vi": "Vietnamese", "th": "Thai"}
+MAX_TRANSCRIPTION_PROMPT = 2000
+
+
+def transcription_options(form: dict[str, Any]) -> Transcription:
+    unknown = sorted(k for k in form if k not in TRANSCRIPTION_FIELDS)
+    if unknown:
+        raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0], "unsupported_parameter")
+    for key in TRANSCRIPTION_FIELDS[1:]:
+        if key in form and not isinstance(form[key], str):
+            raise bad(f"'{key}' must be a form field, not a file", key)
+    fmt = form.get("response_format") or "json"
+    if fmt not in ("json", "text"):
+        raise bad(f"'response_format' must be 'json' or 'text' on this server, got {fmt!r}", "response_format",
+                  "unsupported_parameter")
+    lang = form.get("language") or None
+    if lang is not None and not (2 <= len(lang) <= 3 and lang.isascii() and lang.isalpha()):
+        raise bad(f"'language' must be an ISO-639-1 code such as 'en', got {lang!r}", "language")
+    prompt = form.get("prompt") or None
+    if prompt is not None and len(prompt) > MAX_TRANSCRIPTION_PROMPT:
+        raise bad(f"'prompt' takes at most {MAX_TRANSCRIPTION_PROMPT} characters", "prompt")
+    try:
+        temperature = float(form.get("temperature") or 0.0)
+    except ValueError:
+        temperature = math.nan
+    if not 0.0 <= temperature <= 1.0:
+        raise bad(f"'temperature' must be a number in [0, 1], got {form.get('temperature')!r}", "temperature")
+    return Transcription(lang.lower() if lang else None, prompt, fmt, temperature)
+
+
+def transcription_messages(clip: bytes, language: str | None = None, prompt: str | None = None) -> list[dict[str, Any]]:
+    """The chat turn a transcription request is answered with: Gemma 4's speech-recognition
+    instruction (its model card's wording), then the clip."""
+    name = LANGUAGES.get(language, language) if language else None
+    head = (f"Transcribe the following speech segment in {name} into {name} text." if name else
+            "Transcribe the following speech segment in its original language.")
+    text = (head + "\n\nFollow these specific instructions for formatting the answer:\n"
+            "* Only output the transcription, with no newlines.\n"
+            "* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, "
+            "and write 3 instead of three.")
+    if prompt:
+        text += f"\n* The speech may continue this text or use its words: {prompt}"
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "audio", "audio": clip}]}]
+
+
 def completion_prompt(body: dict, vocab: int) -> str | list[int]:
     """One prompt: a string, or token ids (also as a one-element list)."""
     p = body.get("prompt")
@@ -258,8 +385,10 @@ def completion_prompt(body: dict, vocab: int) -> str | list[int]:
     raise bad("'prompt' must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
 
 
-def embedding_inputs(body: dict, limits: Limits) -> tuple[list[str] | list[list[int]], bool]:
-    """(inputs, are_token_ids)."""
+def embedding_inputs(body: dict, limits: Limits) -> tuple[list[Any], bool]:
+    """(inputs, are_token_ids). Extension: an input may be a list of chat content parts (text,
+    image_url, input_audio), which is ONE input of those parts interleaved (`Embedder.embed`'s
+    list of parts): the parts become texts, picture bytes and ``{"audio": bytes}``."""
     x = body.get("input")
     if isinstance(x, str):
         return [x], False
@@ -272,4 +401,33 @@ def embedding_inputs(body: dict, limits: Limits) -> tuple[list[str] | list[list[
             return [x], True
         if all(isinstance(s, list) and s and all(_is_int(t) for t in s) for s in x):
             return x, True
-    raise bad("'input' must be a string, a list of strings, or token ids (a list or a list of lists)", "input")
+        if all(isinstance(s, str) or (isinstance(s, list) and s and all(isinstance(p, dict) for p in s)) for s in x):
+            return _embedding_parts(x, limits), False
+    raise bad("'input' must be a string, a list of strings, token ids (a list or a list of lists), or a list of "
+              "inputs each a string or a list of content parts", "input")
+
+
+def _embedding_parts(x: list, limits: Limits) -> list[Any]:
+    out: list[Any] = []
+    images = clips = 0
+    for i, item in enumerate(x):
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        parts: list[Any] = []
+        for j, part in enumerate(item):
+            where, kind = f"input[{i}][{j}]", part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str) and part["text"]:
+                parts.append(part["text"])
+            elif kind == "image_url":
+                parts.append(image_bytes(part.get("image_url"), where, limits))
+                images += 1
+            elif kind == "input_audio":
+                parts.append({"audio": audio_bytes(part.get("input_audio"), where, limits)})
+                clips += 1
+            else:
+                raise bad(f"{where} must be a text, image_url or input_audio content part", "input")
+        if images > limits.max_images or clips > limits.max_audio:
+            raise bad(f"at most {limits.max_images} images and {limits.max_audio} audio clips per request", "input")
+        out.append(parts)
+    return out

@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ImageError
+from ..runtime.engine import Block, place_blocks
 from ..runtime.threads import compute
 from .preprocess import MAX_PIXELS, ImageInput, ImagePatches, ImageProcessorConfig, preprocess
 from .tower import VisionTower, build_vision_tower, vision_prefixes
 
-KEY_SPACE = 1 << 62
 CACHED_IMAGES = 8  # soft tokens kept for the last images seen: a chat turn re-sends earlier pictures
 
 
@@ -99,12 +99,11 @@ class Vision:
                 self._cache.popitem(last=False)
         return digest, soft
 
-    def prompt(self, ids: Sequence[int], images: Sequence[ImageInput], *, max_soft_tokens: int | None = None,
-               videos: Sequence[Sequence[ImageInput]] = (), max_pixels: int = MAX_PIXELS) -> ImagePrompt:
-        """Expand each image placeholder of ``ids`` with the next image, and each video placeholder
-        with the next video's frames (as many placeholders of each kind as inputs); an image file
-        over ``max_pixels`` is refused from its header."""
-        ids = np.asarray(ids, dtype=np.int64)
+    def blocks(self, ids: np.ndarray, images: Sequence[ImageInput], *, max_soft_tokens: int | None = None,
+               videos: Sequence[Sequence[ImageInput]] = (), max_pixels: int = MAX_PIXELS) -> list[tuple[int, list[Block]]]:
+        """(placeholder position, its blocks) for each image placeholder of ``ids`` (the next image)
+        and each video placeholder (the next video's frames), as many placeholders of each kind as
+        inputs; an image file over ``max_pixels`` is refused from its header."""
         t = self.tokens
         image_slots, video_slots = np.flatnonzero(ids == t.image), np.flatnonzero(ids == t.video)
         if len(image_slots) != len(images):
@@ -113,28 +112,24 @@ class Vision:
             raise ImageError(f"the prompt has {len(video_slots)} video placeholder(s) for {len(videos)} video(s)")
         media = sorted([(int(s), t.image, [im]) for s, im in zip(image_slots, images)]
                        + [(int(s), t.video, self.video.frames(v)) for s, v in zip(video_slots, videos)])
-        pieces, rows, vectors, keys = [], [], [], []
-        start = offset = 0
+        out = []
         for slot, token, frames in media:
-            pieces.append(ids[start:slot])
-            offset += slot - start
+            blocks = []
             for frame in frames:
                 cfg, budget = (self.processor, max_soft_tokens) if token == t.image else (self.video.image, None)
                 digest, soft = self.soft_tokens(preprocess(frame, cfg, max_soft_tokens=budget, max_pixels=max_pixels))
-                n = soft.shape[0]
-                pieces += [[t.begin], np.full(n, token), [t.end]]
-                rows.append(np.arange(offset + 1, offset + 1 + n))
-                vectors.append(soft)
-                base = int.from_bytes(digest[:8], "little") % KEY_SPACE
-                keys.append(-1 - (base + np.arange(n, dtype=np.int64)) % KEY_SPACE)
-                offset += n + 2
-            start = slot + 1
-        pieces.append(ids[start:])
-        expanded = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
-        if not media:
+                blocks.append(Block(t.begin, token, t.end, soft, digest))
+            out.append((slot, blocks))
+        return out
+
+    def prompt(self, ids: Sequence[int], images: Sequence[ImageInput], **options: Any) -> ImagePrompt:
+        """Expand each image (video) placeholder of ``ids`` with the next image (video); ``options``: `blocks`'s."""
+        ids = np.asarray(ids, dtype=np.int64)
+        expanded, soft = place_blocks(ids, self.blocks(ids, images, **options), 0)
+        if soft is None:
             return ImagePrompt(expanded, np.zeros(0, np.int64), np.zeros((0, self.tower.text_hidden_size), np.float32),
                                np.zeros(0, np.int64))
-        return ImagePrompt(expanded, np.concatenate(rows), np.concatenate(vectors), np.concatenate(keys))
+        return ImagePrompt(expanded, soft.rows, soft.vectors, soft.keys)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,169 @@
+"""Audio through the server: chat requests with ``input_audio`` parts and
+``/v1/audio/transcriptions``, driven by the real `openai` client against a live server on a tiny
+Gemma 4 with an audio tower (every weight random). The oracle is `ChatSession.chat` with the same
+clip (itself checked against transformers in tests/audio), computed before the server serves;
+bad audio answers 400 naming the parameter, and the server keeps serving."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from live_server import KEY, LiveServer
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("soundfile")
+pytest.importorskip("multipart")
+import media_oracle as mo  # noqa: E402
+
+MODEL_ID = "tiny-audio"
+EMB_ID = "tiny-eg2"
+MAX_TOKENS = 24  # the server's bound on a reply
+QUESTION = "What is said here?"
+CLIPS = {"a": mo.wav(mo.clip(1.1, 0)), "b": mo.wav(mo.clip(0.6, 1))}
+INSTRUCTION = ("Transcribe the following speech segment in {}.\n\nFollow these specific instructions for "
+               "formatting the answer:\n* Only output the transcription, with no newlines.\n* When transcribing "
+               "numbers, write the digits, i.e. write 1.7 and not one point seven, and write 3 instead of three.")
+
+
+def _api_messages(clip: str, text: str = QUESTION, fmt: str = "wav") -> list[dict]:
+    data = base64.b64encode(CLIPS[clip]).decode()
+    return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": fmt}},
+                                         {"type": "text", "text": text}]}]
+
+
+def _model_messages(clip: str, text: str = QUESTION) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "audio", "audio": CLIPS[clip]}, {"type": "text", "text": text}]}]
+
+
+def _transcribe_messages(clip: str, language: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": INSTRUCTION.format(language)},
+                                         {"type": "audio", "audio": CLIPS[clip]}]}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, gl):
+    path, _ = mo.make_gemma4_audio_checkpoint(tmp_path_factory.mktemp("gemma4-audio"), vision=False)
+    return gl.load(path, context=512)
+
+
+@pytest.fixture(scope="module")
+def refs(model):
+    def chat(messages, max_new_tokens=8):
+        return model.session().chat(messages, max_new_tokens=max_new_tokens, temperature=0)
+
+    def transcribe(clip, language):  # a transcription runs to the server's max_tokens (or the context's end)
+        messages = _transcribe_messages(clip, language)
+        ids = model.with_media(model.tokenizer.chat_ids(messages, add_generation_prompt=True), audio=[CLIPS[clip]])[0]
+        return chat(messages, min(MAX_TOKENS, model.context - len(ids)))
+
+    return {"a": chat(_model_messages("a")), "b": chat(_model_messages("b")),
+            "two": chat([{"role": "user", "content": [{"type": "audio", "audio": CLIPS["b"]},
+                                                      {"type": "text", "text": "and"},
+                                                      {"type": "audio", "audio": CLIPS["a"]}]}]),
+            "transcribe_any": transcribe("a", "its original language"),
+            "transcribe_fr": transcribe("b", "French into French text")}
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory, gl):
+    """The tiny EmbeddingGemma 2 preset with its (tiny) audio and vision towers."""
+    from gemmalite.tools.synth_eg2 import synth_eg2
+
+    return gl.load_embedder(synth_eg2("eg2-tiny", tmp_path_factory.mktemp("eg2"), progress=False))
+
+
+@pytest.fixture(scope="module")
+def live(model, refs, embedder):
+    from gemmalite.server import build_app
+    from gemmalite.server.protocol import Limits
+
+    limits = Limits(max_tokens=MAX_TOKENS, max_audio=2, max_audio_bytes=64 << 10, max_audio_seconds=1.5)
+    s = LiveServer(build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY, max_concurrency=4,
+                             limits=limits))
+    yield s
+    s.stop()
+
+
+def test_chat_with_audio_equals_model(live, refs):
+    c = live.client()
+    r = c.chat.completions.create(model=MODEL_ID, messages=_api_messages("a"), max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == refs["a"]
+    r = c.chat.completions.create(model=MODEL_ID, messages=_api_messages("b", fmt="mp3"), max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == refs["b"]  # WAV bytes said to be mp3: the bytes decide
+    two = [{"role": "user", "content": [_api_messages("b")[0]["content"][0], {"type": "text", "text": "and"},
+                                        _api_messages("a")[0]["content"][0]]}]
+    r = c.chat.completions.create(model=MODEL_ID, messages=two, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == refs["two"]
+
+
+def test_transcriptions_equal_model(live, refs):
+    c = live.client()
+    r = c.audio.transcriptions.create(model=MODEL_ID, file=("a.wav", io.BytesIO(CLIPS["a"]), "audio/wav"))
+    assert r.text == refs["transcribe_any"]
+    text = c.audio.transcriptions.create(model=MODEL_ID, file=("b.wav", CLIPS["b"]), language="fr",
+                                         response_format="text")
+    assert text == refs["transcribe_fr"]
+
+
+def test_embeddings_with_audio_parts(live, embedder):
+    """The extension: an input that is a list of content parts is one input of those parts; the
+    vectors are `Embedder.embed`'s of the same parts, usage counts the clips' soft tokens."""
+    part = _api_messages("b")[0]["content"][0]
+    body = {"model": EMB_ID, "encoding_format": "float",
+            "input": [[{"type": "text", "text": "a dog barking"}, part], "plain text", [part]]}
+    status, _, r = live.raw("POST", "/v1/embeddings", body)
+    assert status == 200, r
+    inputs = [["a dog barking", {"audio": CLIPS["b"]}], "plain text", [{"audio": CLIPS["b"]}]]
+    want = embedder.embed(inputs)
+    assert (np.array([d["embedding"] for d in r["data"]], np.float32) == want).all()
+    assert r["usage"]["prompt_tokens"] == sum(len(x) for x in embedder.prepare(inputs)[0])
+    bad = dict(body, input=[[{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"junk").decode()}}]])
+    status, _, r = live.raw("POST", "/v1/embeddings", bad)
+    assert status == 400 and r["error"]["code"] == "invalid_audio" and r["error"]["param"], r
+
+
+def _audio_msg(input_audio) -> dict:
+    return {"model": MODEL_ID, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": input_audio}]}]}
+
+
+def test_bad_audio_answers_400_and_server_keeps_serving(live, refs):
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    wav = CLIPS["a"]
+    long_clip = mo.wav(mo.clip(1.8, 3))  # 1.8 s > the server's 1.5 s, refused from the header
+    bad = [
+        (_audio_msg({"data": "https://example.com/a.wav", "format": "wav"}), "audio_url_not_supported"),
+        (_audio_msg({"data": "@@not base64@@", "format": "wav"}), "invalid_audio"),
+        (_audio_msg({"data": "", "format": "wav"}), "invalid_audio"),
+        (_audio_msg({"data": b64(b"this is not a sound at all"), "format": "wav"}), "invalid_audio"),
+        (_audio_msg({"data": b64(wav[: len(wav) // 2]), "format": "wav"}), "invalid_audio"),  # truncated WAV
+        (_audio_msg({"data": b64(b"RIFF\x00\x00\x00\x00WAVEjunk"), "format": "wav"}), "invalid_audio"),
+        (_audio_msg({"data": b64(long_clip), "format": "wav"}), "invalid_audio"),
+        (_audio_msg({"data": b64(wav), "format": "aiff"}), "invalid_audio"),
+        (_audio_msg({"data": b64(b"RIFF" + b"\0" * (65 << 10)), "format": "wav"}), "audio_too_large"),
+        (_audio_msg("raw"), "invalid_audio"),
+        ({"model": MODEL_ID, "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": b64(wav), "format": "wav"}}] * 3}]}, None),
+    ]
+    for body, code in bad:
+        status, _, resp = live.raw("POST", "/v1/chat/completions", body)
+        assert status == 400, (str(body)[:200], resp)
+        assert resp["error"]["param"] and (code is None or resp["error"]["code"] == code), resp
+    assert "1.5 s allowed" in live.raw("POST", "/v1/chat/completions", bad[6][0])[2]["error"]["message"]
+    c = live.client()
+    from openai import BadRequestError
+
+    for kw, param in [(dict(file=("x.wav", b"not audio")), "file"),
+                      (dict(file=("x.wav", wav), response_format="srt"), "response_format"),
+                      (dict(file=("x.wav", wav), language="english!"), "language"),
+                      (dict(file=("x.wav", wav), timestamp_granularities=["word"]), "timestamp_granularities[]")]:
+        with pytest.raises(BadRequestError) as e:
+            c.audio.transcriptions.create(model=MODEL_ID, **kw)
+        assert e.value.body["param"] == param, e.value.body
+    assert live.raw("GET", "/health", key=None)[0] == 200
+    r = c.chat.completions.create(model=MODEL_ID, messages=_api_messages("a"), max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == refs["a"]
