@@ -13,7 +13,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, TokenizerError
+from .chat import history
+from .chat.parser import ChatReply, OutputParser, reply_events
+from .errors import ConfigError, InputError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
 from .runtime.cache import KVState
@@ -181,6 +183,28 @@ class Model:
         out = Stream(items)
         return out if stream else "".join(out)
 
+    def reply(self, state: KVState, ids: list[int], *, stream: bool, max_new_tokens: int, stop, truncate: bool,
+              params: SamplingParams, tools: bool, lock: threading.Lock | None = None, images=None, drafts: int = 0):
+        """A chat reply with its parts apart (`ChatReply`, or with ``stream`` a `Stream` of the
+        `chat.parser` events): `text`'s generation, read by the `OutputParser` (``tools``: parse
+        tool calls); stop strings end the content only."""
+        stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=True)
+        arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
+        parser = OutputParser(self.tokenizer, tools=tools, stops=stop_strings)
+
+        def items(stats: GenerationStats):
+            tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                        stop_ids=stop_ids, stats=stats, drafts=drafts)
+            events = reply_events(tokens, parser, stats)
+            return events if lock is None else _holding(lock, events)
+
+        out = Stream(items)
+        if stream:
+            return out
+        reply = ChatReply.of(out)
+        reply.stats = out.stats
+        return reply
+
 
 class ChatSession:
     """One conversation: its KV state is reused across turns for the common token prefix.
@@ -193,19 +217,41 @@ class ChatSession:
 
     def chat(self, messages: list[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
              top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
-             truncate: bool = False, prompt_lookup: int | bool = False, **template_kwargs: Any):
-        """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces).
-        Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``."""
+             truncate: bool = False, prompt_lookup: int | bool = False, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict | None = None, thinking: bool | None = None, structured: bool = False,
+             **template_kwargs: Any):
+        """The model's reply to the conversation ``messages``: the text (or a `Stream` of pieces);
+        with ``tools``, ``tool_choice``, ``thinking`` or ``structured=True``, a `ChatReply` (content,
+        reasoning, tool calls, finish reason), or a `Stream` of `chat.parser` events.
+        Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``;
+        messages may carry OpenAI's ``tool_calls`` (arguments as JSON text), ``role: "tool"``
+        results and ``reasoning_content``. ``tools``: OpenAI's function declarations;
+        ``tool_choice``: "auto" (the default with tools) or "none" (the tools are not declared);
+        ``thinking``: let the model think first (off by default)."""
         m = self.model
         inputs.messages(messages)
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
                                             repetition_penalty, seed)
         drafts = prompt_lookup_drafts(prompt_lookup)
         stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
-        ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
-        return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                       truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
-                       drafts=drafts)
+        structured = inputs.flag(structured, "structured") or tools is not None or tool_choice is not None \
+            or thinking is not None
+        if not structured:
+            ids = history.chat_ids(m.tokenizer, messages, **template_kwargs)
+            return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
+                          truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
+                          drafts=drafts)
+        decls = history.check_tools(tools) if tools is not None else []
+        choice = history.check_tool_choice("auto" if tool_choice is None and decls else tool_choice or "none", decls)
+        if choice not in ("none", "auto"):
+            raise InputError(f"tool_choice={choice!r}: 'required' and a named function need constrained decoding, "
+                             "which this version does not have yet; use 'auto' or 'none'")
+        think = inputs.flag(thinking, "thinking") if thinking is not None else bool(template_kwargs.pop("enable_thinking", False))
+        ids = history.chat_ids(m.tokenizer, messages, tools=decls if choice == "auto" else None, thinking=think,
+                               **template_kwargs)
+        return m.reply(self.state, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
+                       params=params, tools=choice == "auto" and bool(decls), lock=self._lock,
+                       images=message_images(messages), drafts=drafts)
 
     def reset(self) -> None:
         with self._lock:

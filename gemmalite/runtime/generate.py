@@ -17,7 +17,7 @@ from .cache import KVState
 from .engine import Engine, SoftTokens
 from .sampling import Sampler, SamplingParams
 
-END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
+END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>", "<|tool_response>")  # a call ends the turn at <|tool_response>
 DEFAULT_MAX_NEW_TOKENS = 256
 PROMPT_LOOKUP_DRAFTS = 3  # draft tokens per prompt-lookup step: with the current token, FEW_ROWS rows
 
@@ -264,7 +264,11 @@ class TextCutter:
         self.stopped = False
 
     def push(self, token: int) -> str:
-        self.pending += self.stream.push(token)
+        return self.feed(self.stream.push(token))
+
+    def feed(self, text: str) -> str:
+        """Text decoded elsewhere (the chat output parser's content): the same holding back."""
+        self.pending += text
         return self._emit(final=False)
 
     def finish(self) -> str:
