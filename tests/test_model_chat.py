@@ -1,0 +1,121 @@
+"""`Model.chat` / `ChatSession.chat` with tools and thinking. The tiny random checkpoint (real
+Gemma 4 tokenizer and chat template) runs on a scripted engine that writes what a real model
+would (a thought, tool calls), so the replies are known; plain chat on the real engine keeps
+returning the text it always did."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from scripted_engine import scripted_model
+
+from gemmalite.chat import ChatReply, Reasoning, ToolCallArgs, ToolCallStart, TurnEnd
+from gemmalite.errors import InputError
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["location"]}}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+REPLY = ('<|channel>thought\nThe user wants the weather, "now".\n<channel|>'
+         '<|tool_call>call:get_weather{days:2,location:<|"|>Paris, {FR}<|"|>}<tool_call|><|tool_response>')
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory, gl):
+    from gemmalite.tools.synth import synth
+
+    return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False), context=256)
+
+
+@pytest.fixture()
+def model(real):
+    return scripted_model(real)
+
+
+def script(model, messages, reply: str, **kw):
+    from gemmalite.chat import chat_ids, check_tools
+
+    tok = model.tokenizer
+    tools = kw.pop("tools", None)
+    prompt = chat_ids(tok, messages, tools=check_tools(tools) if tools else None, **kw)
+    model.engine.script(prompt, tok.encode(reply, add_special_tokens=False))
+    return prompt
+
+
+def test_tool_call_reply(model):
+    script(model, USER, REPLY, tools=TOOLS, thinking=True)
+    r = model.chat(USER, tools=TOOLS, thinking=True, temperature=0)
+    assert isinstance(r, ChatReply)
+    assert r.reasoning == 'The user wants the weather, "now".' and r.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == [("get_weather", {"days": 2, "location": "Paris, {FR}"})]
+    assert r.finish_reason == "tool_calls" and r.stats.finish_reason == "tool_calls"
+    assert r.tool_calls[0].id.startswith("call_") and r.logprobs is None
+    # the reply as the next turn's history, then the tool's result: the model continues its turn
+    follow = USER + [r.message(), {"role": "tool", "tool_call_id": r.tool_calls[0].id, "content": '{"temp": 18}'}]
+    prompt = script(model, follow, "It is 18 degrees.", tools=TOOLS, thinking=True)
+    assert model.tokenizer.decode(prompt).endswith("<tool_response|>")
+    again = model.chat(follow, tools=TOOLS, thinking=True)
+    assert (again.content, again.tool_calls, again.finish_reason) == ("It is 18 degrees.", [], "stop")
+
+
+def test_streamed_events_join_to_the_reply(model):
+    script(model, USER, REPLY, tools=TOOLS, thinking=True)
+    whole = model.chat(USER, tools=TOOLS, thinking=True, seed=1)
+    events = list(model.session().chat(USER, tools=TOOLS, thinking=True, seed=1, stream=True))
+    assert isinstance(events[-1], TurnEnd) and events[-1].finish_reason == "tool_calls"
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == whole.reasoning
+    assert "".join(e.text for e in events if isinstance(e, ToolCallArgs)) == whole.tool_calls[0].arguments
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["get_weather"]
+    got = ChatReply.of(events)
+    assert (got.content, got.reasoning, got.finish_reason) == (whole.content, whole.reasoning, whole.finish_reason)
+
+
+def test_thinking_off_by_default_and_stop_strings_on_content_only(model):
+    reply = "<|channel>thought\nSTOP here\n<channel|>Answer STOP more"
+    prompt = model.tokenizer.decode(script(model, USER, reply))
+    r = model.chat(USER, structured=True, stop=["STOP"])
+    assert (r.reasoning, r.content, r.finish_reason) == ("STOP here", "Answer ", "stop")
+    assert "<|think|>" not in prompt and prompt.endswith("<|channel>thought\n<channel|>")
+
+
+def test_tool_choice_none_declares_nothing_and_parses_no_calls(model):
+    reply = '<|tool_call>call:get_weather{location:<|"|>x<|"|>}<tool_call|>'
+    script(model, USER, reply)  # the prompt without declarations
+    r = model.chat(USER, tools=TOOLS, tool_choice="none")
+    assert r.tool_calls == [] and r.content == reply and r.finish_reason == "stop"
+
+
+def test_cut_by_max_new_tokens(model):
+    script(model, USER, REPLY, tools=TOOLS)
+    n = len(model.tokenizer.encode(REPLY, add_special_tokens=False))
+    r = model.chat(USER, tools=TOOLS, max_new_tokens=n - 4)
+    assert r.finish_reason == "length" and not r.tool_calls[0].complete
+    assert '{"days":2,"location":"Paris, {FR}"}'.startswith(r.tool_calls[0].arguments)
+
+
+def test_plain_chat_still_returns_text(model):
+    script(model, USER, "Hello <b>there</b>")
+    assert model.chat(USER, temperature=0) == "Hello <b>there</b>"
+    assert "".join(model.chat(USER, stream=True)) == "Hello <b>there</b>"
+
+
+def test_structured_on_real_weights_equals_plain_text(real):
+    real.reset_chat()
+    text = real.chat(USER, max_new_tokens=12, temperature=0)
+    ids = real.tokenizer.encode(text, add_special_tokens=False)
+    assert not {100, 101} & set(ids)  # (the precondition: random weights wrote no channel markup here)
+    real.reset_chat()
+    r = real.chat(USER, max_new_tokens=12, temperature=0, structured=True)
+    assert r.content == text and r.reasoning is None and r.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools\\[0\\].function.name"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "not have yet"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "not have yet"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+    ({"thinking": "yes"}, "thinking must be True or False"),
+])
+def test_bad_arguments(model, kw, match):
+    with pytest.raises(InputError, match=match):
+        model.chat(USER, **kw)
