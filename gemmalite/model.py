@@ -184,13 +184,14 @@ class Model:
         return out if stream else "".join(out)
 
     def reply(self, state: KVState, ids: list[int], *, stream: bool, max_new_tokens: int, stop, truncate: bool,
-              params: SamplingParams, tools: bool, lock: threading.Lock | None = None, images=None, drafts: int = 0):
+              params: SamplingParams, tools: bool, max_calls: int | None = None, lock: threading.Lock | None = None,
+              images=None, drafts: int = 0):
         """A chat reply with its parts apart (`ChatReply`, or with ``stream`` a `Stream` of the
         `chat.parser` events): `text`'s generation, read by the `OutputParser` (``tools``: parse
         tool calls); stop strings end the content only."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=True)
         arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
-        parser = OutputParser(self.tokenizer, tools=tools, stops=stop_strings)
+        parser = OutputParser(self.tokenizer, tools=tools, stops=stop_strings, max_calls=max_calls)
 
         def items(stats: GenerationStats):
             tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
@@ -218,8 +219,8 @@ class ChatSession:
     def chat(self, messages: list[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
              top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
              truncate: bool = False, prompt_lookup: int | bool = False, tools: list[dict[str, Any]] | None = None,
-             tool_choice: str | dict | None = None, thinking: bool | None = None, structured: bool = False,
-             **template_kwargs: Any):
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True, thinking: bool | None = None,
+             structured: bool = False, **template_kwargs: Any):
         """The model's reply to the conversation ``messages``: the text (or a `Stream` of pieces);
         with ``tools``, ``tool_choice``, ``thinking`` or ``structured=True``, a `ChatReply` (content,
         reasoning, tool calls, finish reason), or a `Stream` of `chat.parser` events.
@@ -227,7 +228,8 @@ class ChatSession:
         messages may carry OpenAI's ``tool_calls`` (arguments as JSON text), ``role: "tool"``
         results and ``reasoning_content``. ``tools``: OpenAI's function declarations;
         ``tool_choice``: "auto" (the default with tools) or "none" (the tools are not declared);
-        ``thinking``: let the model think first (off by default)."""
+        ``parallel_tool_calls=False``: the turn ends after its first call; ``thinking``: let the
+        model think first (off by default)."""
         m = self.model
         inputs.messages(messages)
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
@@ -250,7 +252,8 @@ class ChatSession:
         ids = history.chat_ids(m.tokenizer, messages, tools=decls if choice == "auto" else None, thinking=think,
                                **template_kwargs)
         return m.reply(self.state, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
-                       params=params, tools=choice == "auto" and bool(decls), lock=self._lock,
+                       params=params, tools=choice == "auto" and bool(decls),
+                       max_calls=None if inputs.flag(parallel_tool_calls, "parallel_tool_calls") else 1, lock=self._lock,
                        images=message_images(messages), drafts=drafts)
 
     def reset(self) -> None:

@@ -119,3 +119,12 @@ def test_structured_on_real_weights_equals_plain_text(real):
 def test_bad_arguments(model, kw, match):
     with pytest.raises(InputError, match=match):
         model.chat(USER, **kw)
+
+
+def test_parallel_tool_calls_false_ends_the_turn_after_one_call(model):
+    two = REPLY.replace("<|tool_response>", "") + '<|tool_call>call:get_weather{location:<|"|>Rome<|"|>}<tool_call|>'
+    script(model, USER, two, tools=TOOLS)
+    assert [json.loads(c.arguments)["location"] for c in model.chat(USER, tools=TOOLS).tool_calls] == ["Paris, {FR}", "Rome"]
+    one = model.chat(USER, tools=TOOLS, parallel_tool_calls=False)
+    assert [c.name for c in one.tool_calls] == ["get_weather"] and one.finish_reason == "tool_calls"
+    assert one.stats.new_tokens < len(model.tokenizer.encode(two, add_special_tokens=False))

@@ -46,14 +46,20 @@ class ChatTokens:
              "string": '<|"|>', "channel": "<|channel>", "channel_end": "<channel|>"}
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> "ChatTokens":
-        """The markup ids of ``tokenizer``; `InputError` when its vocabulary lacks them (not Gemma 4's)."""
+    def find(cls, tokenizer: Tokenizer) -> "ChatTokens | None":
+        """The markup ids of ``tokenizer``, or None when its vocabulary lacks them (not Gemma 4's)."""
         ids = {k: tokenizer.token_id(v) for k, v in cls.NAMES.items()}
-        missing = [cls.NAMES[k] for k, v in ids.items() if v is None]
-        if missing:
+        return None if None in ids.values() else cls(**ids)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> "ChatTokens":
+        """`find`, or `InputError`: tool calls and thinking need Gemma 4's chat format."""
+        found = cls.find(tokenizer)
+        if found is None:
+            missing = [v for v in cls.NAMES.values() if tokenizer.token_id(v) is None]
             raise InputError(f"this model's vocabulary has no {', '.join(missing)}: tool calls and thinking need "
                              "Gemma 4's chat format")
-        return cls(**ids)
+        return found
 
 
 # -- events ----------------------------------------------------------------------------------
@@ -100,14 +106,17 @@ def new_call_id() -> str:
 
 class OutputParser:
     """Push a reply's token ids one at a time (`push`), then `finish`; each returns its events.
-    ``tools``: parse tool calls (else their markup is content text). ``stops``: stop strings,
-    looked for in the content only; `stopped` once one appeared (generation should end)."""
+    ``tools``: parse tool calls (else their markup is content text); ``max_calls``: the turn ends
+    after that many complete calls (OpenAI's ``parallel_tool_calls=False`` is 1). ``stops``: stop
+    strings, looked for in the content only. `stopped` once the turn is over (a stop string, or
+    ``max_calls``): generation should end."""
 
     def __init__(self, tokenizer: Tokenizer, *, tools: bool = False, stops: Iterable[str] = (),
-                 call_id: Callable[[], str] = new_call_id):
+                 max_calls: int | None = None, call_id: Callable[[], str] = new_call_id):
         self.tok = tokenizer
         self.ids = ChatTokens.of(tokenizer)
         self.tools = tools
+        self.max_calls = max_calls
         self.call_id = call_id
         self.cutter = TextCutter(tokenizer, list(stops))
         self.stream = tokenizer.stream()
@@ -121,7 +130,7 @@ class OutputParser:
 
     @property
     def stopped(self) -> bool:
-        return self.cutter.stopped
+        return self.cutter.stopped or (self.max_calls is not None and sum(self.calls) >= self.max_calls)
 
     # -- input ---------------------------------------------------------------------------
     def push(self, token: int) -> list[Event]:

@@ -28,10 +28,11 @@ from starlette.routing import Route
 from ..runtime.engine import SoftTokens
 from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
+from . import chat_format
 from .metrics import Metrics
-from .protocol import (APIError, Generation, Limits, bad, chat_messages, completion_prompt, embedding_inputs,
-                       generation, opt_int, require_model)
-from .scheduler import Finish, Overloaded, Piece, Scheduler, Sequence
+from .protocol import (CHAT_ONLY, APIError, Generation, Limits, bad, chat_messages, completion_prompt,
+                       embedding_inputs, generation, opt_int, reject_unsupported, require_model)
+from .scheduler import Finish, Overloaded, Scheduler, Sequence
 
 RETRY_AFTER_S = "1"
 
@@ -48,6 +49,8 @@ class Server:
                  limits: Limits | None = None, prompt_lookup: int | bool = 0):
         self.model = model
         self.tokenizer = model.tokenizer  # a server needs text: fail at start-up, not per request
+        # a Gemma 4 vocabulary: chat replies are read apart (thought, calls); else they are plain text (Gemma 3)
+        self.chat_format = chat_format.ChatTokens.find(self.tokenizer) is not None
         self.embedder = embedder
         self.model_id = model_id
         self.embedder_id = embedder_id if embedder is not None else None
@@ -142,8 +145,9 @@ class Server:
                         prediction=prediction or [])
 
     async def _run(self, request: Request, seq: Sequence, gen: Generation, chunk: Callable[..., dict],
-                   final: Callable[[str, Finish], dict]) -> Response:
-        """Submit ``seq``; answer with an SSE stream of ``chunk`` events or one ``final`` body."""
+                   final: Callable[[list, Finish], dict]) -> Response:
+        """Submit ``seq``; answer with an SSE stream of ``chunk`` events or one ``final`` body (of
+        the reader's events: text `Piece`s, or a chat reply's parts)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         seq.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         try:
@@ -154,7 +158,7 @@ class Server:
         if gen.stream:
             return StreamingResponse(self._sse(seq, events, gen, chunk), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text: list[str] = []
+        got: list = []  # the reader's events
         try:
             while True:
                 try:
@@ -163,11 +167,11 @@ class Server:
                     if await request.is_disconnected():
                         return Response(status_code=499)  # client closed the request: nobody reads this
                     continue
-                if isinstance(ev, Piece):
-                    text.append(ev.text)
+                if not isinstance(ev, Finish):
+                    got.append(ev)
                     continue
                 self._check_finish(ev)
-                return JSONResponse(final("".join(text), ev))
+                return JSONResponse(final(got, ev))
         finally:
             seq.cancel()  # a no-op once finished; frees the slot if the client left
 
@@ -187,8 +191,10 @@ class Server:
             yield data(chunk(role=True))
             while True:
                 ev = await events.get()
-                if isinstance(ev, Piece):
-                    yield data(chunk(text=ev.text))
+                if not isinstance(ev, Finish):
+                    c = chunk(event=ev)
+                    if c is not None:
+                        yield data(c)
                     continue
                 try:
                     self._check_finish(ev)
@@ -207,13 +213,16 @@ class Server:
         body = await self.read_json(request)
         require_model(body, self.model_id, "chat")
         gen = generation(body, self.limits)
+        opts = chat_format.chat_options(body)
         messages = chat_messages(body, self.limits)
         images = message_images(messages)
         if images and self.model.vision is None:
             raise bad(f"the model {self.model_id!r} has no vision tower: it takes no image_url parts", "messages",
                       "images_not_supported")
         try:
-            ids = await run_in_threadpool(self.tokenizer.chat_ids, messages, add_generation_prompt=True)
+            ids = await run_in_threadpool(chat_format.prompt_ids, self.tokenizer, messages, opts)
+        except APIError:
+            raise
         except ValueError as e:
             raise bad(f"cannot render the conversation: {e}", "messages") from None
         except Exception as e:  # jinja2's TemplateError (the template's raise_exception)
@@ -227,19 +236,23 @@ class Server:
                 raise bad(str(e), "messages", "invalid_image") from None
             ids = arr.tolist()
         seq = self._prepare(ids, gen, chat=True, soft=soft, prediction=await self._prediction_ids(gen))
+        if self.chat_format:
+            seq.output = lambda: chat_format.ChatReader(self.tokenizer, seq.stop_strings, opts)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
 
-        def chunk(role=False, text=None, finish=None, usage=None) -> dict:
+        def chunk(role=False, event=None, finish=None, usage=None) -> dict | None:
             out = {**base, "object": "chat.completion.chunk"}
             if usage is not None:
                 return {**out, "choices": [], "usage": usage}
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            delta = {"role": "assistant", "content": ""} if role else (chat_format.delta(event) if event is not None else {})
+            if delta is None:
+                return None
             return {**out, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        def final(text: str, ev: Finish) -> dict:
+        def final(events: list, ev: Finish) -> dict:  # (`Piece`s when the model has no Gemma 4 chat format)
             return {**base, "object": "chat.completion", "usage": _usage(ev),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                    "choices": [{"index": 0, "message": chat_format.message(events),
                                  "logprobs": None, "finish_reason": ev.reason}]}
 
         return await self._run(request, seq, gen, chunk, final)
@@ -248,20 +261,22 @@ class Server:
         body = await self.read_json(request)
         require_model(body, self.model_id, "completion")
         gen = generation(body, self.limits)
+        reject_unsupported(body, CHAT_ONLY)
         prompt = completion_prompt(body, self.model.config.vocab_size)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self.tokenizer.encode, prompt)
         seq = self._prepare(ids, gen, chat=False, prediction=await self._prediction_ids(gen))
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_id,
                 "object": "text_completion", "system_fingerprint": None}
 
-        def chunk(role=False, text=None, finish=None, usage=None) -> dict:
+        def chunk(role=False, event=None, finish=None, usage=None) -> dict:
             if usage is not None:
                 return {**base, "choices": [], "usage": usage}
-            return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            text = event.text if event is not None else ""
+            return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        def final(text: str, ev: Finish) -> dict:
-            return {**base, "usage": _usage(ev),
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": ev.reason}]}
+        def final(events: list, ev: Finish) -> dict:
+            return {**base, "usage": _usage(ev), "choices": [{"index": 0, "text": "".join(p.text for p in events),
+                                                              "logprobs": None, "finish_reason": ev.reason}]}
 
         return await self._run(request, seq, gen, chunk, final)
 

@@ -22,7 +22,9 @@ each computed as a one-token step would be, and the tokens kept are exactly plai
 
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
-`Model.generate`) are applied here, so a stop string ends the sequence at once.
+`Model.generate`) are applied here, so a stop string ends the sequence at once. A sequence may
+bring its own reader of the tokens instead (``output``: a chat reply's `OutputParser`, whose
+events go to the sink as they are).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class Piece:
 
 @dataclass
 class Finish:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: str  # "stop" | "length" | "tool_calls" (a chat reply's reader says) | "cancelled" | "error"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -85,10 +87,11 @@ class Sequence:
     soft: SoftTokens | None = None  # rows of ``ids`` given as embeddings (pictures)
     lookup: int = 0  # prompt-lookup drafts per step (0: plain decoding; at most FEW_ROWS - 1 are used)
     prediction: list[int] = field(default_factory=list)  # a predicted reply's tokens: more text to draft from
+    output: Callable[[], Any] | None = None  # makes the reader of the tokens (default: `TextReader`)
     # filled in by the scheduler
     state: Any = None
     sampler: Sampler | None = None
-    cutter: TextCutter | None = None
+    reader: Any = None
     history: list[int] = field(default_factory=list)
     next_token: int = -1
     generated: int = 0
@@ -103,6 +106,26 @@ class Sequence:
     def cancel(self) -> None:
         """Called from any thread; the scheduler frees the sequence at its next step."""
         self.cancelled = True
+
+
+class TextReader:
+    """The default reader of a sequence's tokens: text pieces cut at the stop strings. A reader
+    has ``push(token) -> events``, ``stopped`` and ``finish(reason) -> (events, reason)``."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.cutter = TextCutter(tokenizer, stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self.cutter.stopped
+
+    def push(self, token: int) -> list[Piece]:
+        text = self.cutter.push(token)
+        return [Piece(text)] if text else []
+
+    def finish(self, reason: str) -> tuple[list[Piece], str]:
+        text = "" if self.cutter.stopped else self.cutter.finish()
+        return ([Piece(text)] if text else []), reason
 
 
 class PrefixCache:
@@ -244,7 +267,7 @@ class Scheduler:
         soft = seq.soft
         seq.state, seq.cached = self.cache.take(soft.keyed(seq.ids) if soft is not None else seq.ids)
         seq.sampler = Sampler(seq.params)
-        seq.cutter = TextCutter(self.tokenizer, seq.stop_strings)
+        seq.reader = seq.output() if seq.output is not None else TextReader(self.tokenizer, seq.stop_strings)
         seq.history = list(seq.ids)
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
@@ -416,10 +439,9 @@ class Scheduler:
         seq.generated += 1
         self.metrics.inc("gemmalite_completion_tokens_total")
         seq.history.append(tok)
-        text = seq.cutter.push(tok)
-        if text:
-            self._emit(seq, Piece(text))
-        if seq.cutter.stopped:
+        for ev in seq.reader.push(tok):
+            self._emit(seq, ev)
+        if seq.reader.stopped:
             self._finish(seq, "stop")
         elif seq.generated >= seq.max_tokens or (seq.state.length if length is None else length) >= seq.state.context:
             self._finish(seq, "length")
@@ -437,10 +459,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq in self.active:
             self.active.remove(seq)
-        if reason in ("stop", "length") and seq.cutter is not None and not seq.cutter.stopped:
-            tail = seq.cutter.finish()
-            if tail:
-                self._emit(seq, Piece(tail))
+        if reason in ("stop", "length") and seq.reader is not None:
+            events, reason = seq.reader.finish(reason)
+            for ev in events:
+                self._emit(seq, ev)
         if reason != "error":  # a failed step may have left the state half written
             self.cache.put(seq.state)
         seq.state = seq.first_logits = None
