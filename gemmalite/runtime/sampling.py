@@ -1,7 +1,9 @@
 """Next-token choice from one row of logits.
 
 Order as in transformers' generate: repetition penalty, then temperature, top-k, top-p,
-min-p; temperature 0 (or top_k 1) is greedy argmax.
+min-p; temperature 0 (or top_k 1) is greedy argmax. A grammar's mask (``allowed``) comes
+first: the disallowed logits are removed before any of them, so they all work over the
+allowed tokens.
 """
 from __future__ import annotations
 
@@ -45,9 +47,14 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None, allowed: np.ndarray | None = None) -> int:
+        """The next token; ``allowed`` (bool ``[vocab]``, a grammar's mask) limits the choice."""
         p = self.params
         z = np.asarray(logits, dtype=np.float32)
+        if allowed is not None:
+            if not allowed.any():
+                raise RuntimeError("the grammar allows no token here")
+            z = np.where(allowed, z, np.float32(-np.inf))
         if p.repetition_penalty and p.repetition_penalty != 1.0 and history:
             z = z.copy()
             seen = np.unique(np.asarray(history, dtype=np.int64))
