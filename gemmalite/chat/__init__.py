@@ -1,0 +1,1 @@
+"""Gemma's chat formats: tool declarations, tool calls, thinking (token-level structure)."""
