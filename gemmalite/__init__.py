@@ -8,11 +8,14 @@ from .embeddings import Embedder, load_embedder  # noqa: E402
 from .errors import (CheckpointError, ConfigError, ContextError, ImageError, InputError, NumericalError,  # noqa: E402
                      TokenizerError)
 from .loader import load, load_tokenizer  # noqa: E402
-from .model import ChatSession, Model  # noqa: E402
+from .model import ChatSession, Completion, Model  # noqa: E402
+from .runtime.constrain import Grammar  # noqa: E402
 from .runtime.generate import GenerationStats, Stream  # noqa: E402
+from .runtime.logprobs import TokenLogprob  # noqa: E402
 from .tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["load", "load_tokenizer", "load_embedder", "Model", "ChatSession", "Stream", "GenerationStats", "Tokenizer",
+           "Grammar", "Completion", "TokenLogprob",
            "Embedder", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError", "NumericalError",
            "TokenizerError"]
 __version__ = settings.VERSION

@@ -86,9 +86,9 @@ def test_tool_choice_none_declares_nothing_and_parses_no_calls(model):
 
 
 def test_cut_by_max_new_tokens(model):
-    script(model, USER, REPLY, tools=TOOLS)
+    script(model, USER, REPLY, tools=TOOLS, thinking=True)
     n = len(model.tokenizer.encode(REPLY, add_special_tokens=False))
-    r = model.chat(USER, tools=TOOLS, max_new_tokens=n - 4)
+    r = model.chat(USER, tools=TOOLS, thinking=True, max_new_tokens=n - 4)
     assert r.finish_reason == "length" and not r.tool_calls[0].complete
     assert '{"days":2,"location":"Paris, {FR}"}'.startswith(r.tool_calls[0].arguments)
 
@@ -111,8 +111,8 @@ def test_structured_on_real_weights_equals_plain_text(real):
 
 @pytest.mark.parametrize("kw, match", [
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools\\[0\\].function.name"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "not have yet"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "not have yet"),
+    ({"tools": TOOLS, "json_schema": {"type": "object"}}, "do not go with tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": 0}, "parallel_tool_calls must be True or False"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
     ({"thinking": "yes"}, "thinking must be True or False"),
 ])
@@ -123,8 +123,53 @@ def test_bad_arguments(model, kw, match):
 
 def test_parallel_tool_calls_false_ends_the_turn_after_one_call(model):
     two = REPLY.replace("<|tool_response>", "") + '<|tool_call>call:get_weather{location:<|"|>Rome<|"|>}<tool_call|>'
-    script(model, USER, two, tools=TOOLS)
-    assert [json.loads(c.arguments)["location"] for c in model.chat(USER, tools=TOOLS).tool_calls] == ["Paris, {FR}", "Rome"]
-    one = model.chat(USER, tools=TOOLS, parallel_tool_calls=False)
+    script(model, USER, two, tools=TOOLS, thinking=True)
+    calls = model.chat(USER, tools=TOOLS, thinking=True).tool_calls
+    assert [json.loads(c.arguments)["location"] for c in calls] == ["Paris, {FR}", "Rome"]
+    one = model.chat(USER, tools=TOOLS, thinking=True, parallel_tool_calls=False)
     assert [c.name for c in one.tool_calls] == ["get_weather"] and one.finish_reason == "tool_calls"
     assert one.stats.new_tokens < len(model.tokenizer.encode(two, add_special_tokens=False))
+
+
+# -- constrained calls on the real (random) weights: the tools' grammar (chat.tool_grammar) --------
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                           "unit": {"type": "string", "enum": ["c", "f"]}, "hourly": {"type": "boolean"}},
+          "required": ["city", "days"], "additionalProperties": False}
+FORCED = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": SCHEMA}},
+          {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False),
+                                              ({"type": "function", "function": {"name": "get_weather"}}, False),
+                                              ({"type": "function", "function": {"name": "get_weather"}}, True)])
+def test_required_and_named_calls_validate(real, choice, parallel):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED}
+    for seed in range(3):
+        s = real.session()
+        r = s.chat(USER, tools=FORCED, tool_choice=choice, parallel_tool_calls=parallel, max_new_tokens=160,
+                   temperature=1.0, seed=seed)
+        assert r.finish_reason == "tool_calls" and r.content == "" and r.reasoning is None, r
+        assert len(r.tool_calls) >= 1 and (parallel or len(r.tool_calls) == 1)
+        for c in r.tool_calls:
+            assert c.complete and (isinstance(choice, str) or c.name == "get_weather")
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+        events = list(real.session().chat(USER, tools=FORCED, tool_choice=choice, parallel_tool_calls=parallel,
+                                          max_new_tokens=160, temperature=1.0, seed=seed, stream=True))
+        got = ChatReply.of(events)
+        assert [(c.name, c.arguments) for c in got.tool_calls] == [(c.name, c.arguments) for c in r.tool_calls]
+
+
+def test_auto_with_the_grammar_and_logprobs(real):
+    """``auto`` on random weights: free text or valid calls, the same for the same seed; logprobs ride along."""
+    import jsonschema
+
+    a = real.session().chat(USER, tools=FORCED, max_new_tokens=24, temperature=1.0, seed=5, logprobs=2)
+    b = real.session().chat(USER, tools=FORCED, max_new_tokens=24, temperature=1.0, seed=5)
+    assert (a.content, [c.arguments for c in a.tool_calls]) == (b.content, [c.arguments for c in b.tool_calls])
+    assert len(a.logprobs) == a.stats.new_tokens and b.logprobs is None
+    for c in a.tool_calls:
+        if c.complete:
+            jsonschema.validate(json.loads(c.arguments), SCHEMA if c.name == "get_weather" else {"type": "object"})
