@@ -114,8 +114,11 @@ class OutputParser:
     def __init__(self, tokenizer: Tokenizer, *, tools: bool = False, stops: Iterable[str] = (),
                  max_calls: int | None = None, call_id: Callable[[], str] = new_call_id):
         self.tok = tokenizer
-        self.ids = ChatTokens.of(tokenizer)
+        self.ids = ids = ChatTokens.of(tokenizer)
         self.tools = tools
+        # markup tokens: always the thinking channel's, with tools <|tool_call>; inside a call, its end and <|"|>
+        self.markup = {ids.channel, ids.channel_end} | ({ids.tool_call} if tools else set())
+        self.call_markup = {ids.tool_call_end, ids.string}
         self.max_calls = max_calls
         self.call_id = call_id
         self.cutter = TextCutter(tokenizer, list(stops))
@@ -137,11 +140,7 @@ class OutputParser:
         self.out = []
         if self.done or self.stopped:
             return []
-        ids = self.ids
-        structural = {ids.channel, ids.channel_end}
-        if self.tools:
-            structural |= {ids.tool_call} | ({ids.tool_call_end, ids.string} if self.mode in ("args", "call") else set())
-        if token in structural:
+        if token in self.markup or (self.mode in ("args", "call") and token in self.call_markup):
             self._flush_run()
             self._markup(token)
         else:
