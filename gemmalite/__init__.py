@@ -4,6 +4,7 @@ from . import settings
 # Before numpy / numba load: kernel cache under the user's cache folder (never inside the
 # package), worker threads that sleep instead of spinning when they wait (see settings.py).
 settings.apply()
+from .chat import ChatReply, ToolCall  # noqa: E402
 from .embeddings import Embedder, load_embedder  # noqa: E402
 from .errors import (CheckpointError, ConfigError, ContextError, ImageError, InputError, NumericalError,  # noqa: E402
                      TokenizerError)
@@ -15,7 +16,7 @@ from .runtime.logprobs import TokenLogprob  # noqa: E402
 from .tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["load", "load_tokenizer", "load_embedder", "Model", "ChatSession", "Stream", "GenerationStats", "Tokenizer",
-           "Grammar", "Completion", "TokenLogprob",
+           "Grammar", "Completion", "TokenLogprob", "ChatReply", "ToolCall",
            "Embedder", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError", "NumericalError",
            "TokenizerError"]
 __version__ = settings.VERSION
