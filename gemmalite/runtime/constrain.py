@@ -48,21 +48,22 @@ def special_ids(tokenizer: Tokenizer) -> set[int]:
     return set()
 
 
+def piece_bytes(tokenizer: Tokenizer, tid: int, specials: set[int]) -> bytes:
+    """One token's bytes as llguidance reads them: SentencePiece pieces with ``'▁'`` as a space,
+    ``<0xNN>`` byte tokens as their byte, added tokens (``specials``) marked by a leading 0xFF
+    (not UTF-8, so no text ever spells one)."""
+    piece = tokenizer.tk.id_to_token(tid) or ""
+    if tid in specials:
+        return b"\xff" + piece.encode("utf-8")
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
 def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
-    """Each token's bytes as llguidance reads them: SentencePiece pieces with ``'▁'`` as a space,
-    ``<0xNN>`` byte tokens as their byte, added tokens marked by a leading 0xFF (not UTF-8, so no
-    text ever spells one)."""
+    """Every token's `piece_bytes`."""
     specials = special_ids(tokenizer)
-    out: list[bytes] = []
-    for i in range(tokenizer.vocab_size):
-        piece = tokenizer.tk.id_to_token(i) or ""
-        if i in specials:
-            out.append(b"\xff" + piece.encode("utf-8"))
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            out.append(bytes([int(piece[3:5], 16)]))
-        else:
-            out.append(piece.replace("\u2581", " ").encode("utf-8"))
-    return out
+    return [piece_bytes(tokenizer, i, specials) for i in range(tokenizer.vocab_size)]
 
 
 class _Vocabulary:

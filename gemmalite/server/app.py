@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import time
@@ -29,10 +30,11 @@ from ..runtime.engine import SoftTokens
 from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
 from . import chat_format
+from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
 from .protocol import (CHAT_ONLY, APIError, Generation, Limits, bad, chat_messages, completion_prompt,
                        embedding_inputs, generation, opt_int, reject_unsupported, require_model)
-from .scheduler import Finish, Overloaded, Scheduler, Sequence
+from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
 
 RETRY_AFTER_S = "1"
 
@@ -63,6 +65,7 @@ class Server:
                                    max_queue=max_queue, prefix_cache=prefix_cache, metrics=self.metrics)
         self.metrics.gauge("gemmalite_active_sequences", lambda: len(self.scheduler.active))
         self.metrics.gauge("gemmalite_queue_depth", lambda: self.scheduler.queue_depth)
+        self.logprob_format = LogprobFormat(self.tokenizer)
         self._embed_lock = asyncio.Lock()
         self.created = int(time.time())
 
@@ -144,36 +147,68 @@ class Server:
                         stop_strings=stop_strings, sink=lambda ev: None, soft=soft, lookup=lookup,
                         prediction=prediction or [])
 
-    async def _run(self, request: Request, seq: Sequence, gen: Generation, chunk: Callable[..., dict],
-                   final: Callable[[list, Finish], dict]) -> Response:
-        """Submit ``seq``; answer with an SSE stream of ``chunk`` events or one ``final`` body (of
-        the reader's events: text `Piece`s, or a chat reply's parts)."""
+    def choices(self, seq: Sequence, body: dict, chat: bool, thinking: bool = False, tools=None) -> list[Sequence]:
+        """``seq`` and its ``n - 1`` siblings (seeds ``seed + i``; they share its prefill), each with
+        its own matcher of the request's ``response_format`` (or of its ``tools``' grammar) and its
+        ``logprobs`` setting."""
+        n = read_n(body)
+        seq.logprobs = read_logprobs(body, chat)
+        grammar = read_response_format(body, self.tokenizer, thinking)
+        if tools is not None:
+            if grammar is not None:
+                raise bad("'response_format' does not go with tools (unless tool_choice is 'none')", "response_format",
+                          "unsupported_parameter")
+            grammar = tools
+        seqs = [seq]
+        for i in range(1, n):
+            seed = seq.params.seed
+            params = seq.params if seed is None else dataclasses.replace(seq.params, seed=(seed + i) % 2**64)
+            seqs.append(dataclasses.replace(seq, params=params))
+        if grammar is not None:
+            for s in seqs:
+                s.matcher = grammar.matcher(s.stop_ids)
+        return seqs
+
+    async def _run(self, request: Request, seqs: list[Sequence], gen: Generation, chunk: Callable[..., dict],
+                   final: Callable[[list[tuple[list, Finish]]], dict]) -> Response:
+        """Submit ``seqs`` (a request's choices); answer with an SSE stream of ``chunk`` events or
+        one ``final`` body built from each choice's (events: `Piece`s or `Part`s, `Finish`)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seq.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        for i, seq in enumerate(seqs):
+            seq.sink = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
         try:
-            self.scheduler.submit(seq)
+            for seq in seqs:
+                self.scheduler.submit(seq)
         except Overloaded as e:
+            for seq in seqs:
+                seq.cancel()
             raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="overloaded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         if gen.stream:
-            return StreamingResponse(self._sse(seq, events, gen, chunk), media_type="text/event-stream",
+            return StreamingResponse(self._sse(seqs, events, gen, chunk), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        got: list = []  # the reader's events
+        got: list[list] = [[] for _ in seqs]
+        lps: list[list] = [[] for _ in seqs]
+        done: dict[int, Finish] = {}
         try:
-            while True:
+            while len(done) < len(seqs):
                 try:
-                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                    i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)  # client closed the request: nobody reads this
                     continue
-                if not isinstance(ev, Finish):
-                    got.append(ev)
+                if isinstance(ev, (Piece, Part)):
+                    got[i].append(ev)
+                    lps[i] += ev.logprobs
                     continue
                 self._check_finish(ev)
-                return JSONResponse(final(got, ev))
+                ev.logprobs = lps[i] + ev.logprobs
+                done[i] = ev
+            return JSONResponse(final([(got[i], done[i]) for i in range(len(seqs))]))
         finally:
-            seq.cancel()  # a no-op once finished; frees the slot if the client left
+            for seq in seqs:
+                seq.cancel()  # a no-op once finished; frees the slot if the client left
 
     @staticmethod
     def _check_finish(ev: Finish) -> None:
@@ -183,16 +218,18 @@ class Server:
             raise APIError(503, "the server is shutting down", type="server_error",
                            headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _sse(self, seq: Sequence, events: asyncio.Queue, gen: Generation, chunk: Callable[..., dict]):
+    async def _sse(self, seqs: list[Sequence], events: asyncio.Queue, gen: Generation, chunk: Callable[..., dict]):
         def data(obj: Any) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         try:
-            yield data(chunk(role=True))
-            while True:
-                ev = await events.get()
-                if not isinstance(ev, Finish):
-                    c = chunk(event=ev)
+            for i in range(len(seqs)):
+                yield data(chunk(i, role=True))
+            finished: list[Finish] = []
+            while len(finished) < len(seqs):
+                i, ev = await events.get()
+                if isinstance(ev, (Piece, Part)):
+                    c = chunk(i, event=ev, logprobs=ev.logprobs)
                     if c is not None:
                         yield data(c)
                     continue
@@ -201,13 +238,14 @@ class Server:
                 except APIError as e:
                     yield data(e.body())
                     return
-                yield data(chunk(finish=ev.reason))
-                if gen.include_usage:
-                    yield data(chunk(usage=_usage(ev)))
-                yield "data: [DONE]\n\n"
-                return
+                yield data(chunk(i, finish=ev.reason, logprobs=ev.logprobs))
+                finished.append(ev)
+            if gen.include_usage:
+                yield data(chunk(0, usage=_usage(finished)))
+            yield "data: [DONE]\n\n"
         finally:
-            seq.cancel()  # the client went away mid-stream (or we are done): free the slot
+            for seq in seqs:
+                seq.cancel()  # the client went away mid-stream (or we are done): free the slots
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -238,24 +276,33 @@ class Server:
         seq = self._prepare(ids, gen, chat=True, soft=soft, prediction=await self._prediction_ids(gen))
         if self.chat_format:
             seq.output = lambda: chat_format.ChatReader(self.tokenizer, seq.stop_strings, opts)
+        # (the tools' grammar and a response_format schema compile in a worker thread)
+        tools = await run_in_threadpool(chat_format.tool_constraint, self.tokenizer, opts)
+        seqs = await run_in_threadpool(self.choices, seq, body, True, opts.thinking, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
+        fmt = self.logprob_format if seq.logprobs is not None else None
 
-        def chunk(role=False, event=None, finish=None, usage=None) -> dict | None:
+        def chunk(i, role=False, event=None, finish=None, usage=None, logprobs=()) -> dict | None:
             out = {**base, "object": "chat.completion.chunk"}
             if usage is not None:
                 return {**out, "choices": [], "usage": usage}
-            delta = {"role": "assistant", "content": ""} if role else (chat_format.delta(event) if event is not None else {})
-            if delta is None:
-                return None
-            return {**out, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            lp = fmt.chat(list(logprobs)) if fmt is not None and logprobs else None
+            delta = {"role": "assistant", "content": ""} if role else \
+                (chat_format.delta(event) if event is not None else {})
+            if delta is None:  # (a part with no delta of its own: a call's end)
+                if lp is None:
+                    return None
+                delta = {}
+            return {**out, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
-        def final(events: list, ev: Finish) -> dict:  # (`Piece`s when the model has no Gemma 4 chat format)
-            return {**base, "object": "chat.completion", "usage": _usage(ev),
-                    "choices": [{"index": 0, "message": chat_format.message(events),
-                                 "logprobs": None, "finish_reason": ev.reason}]}
+        def final(results: list[tuple[list, Finish]]) -> dict:
+            return {**base, "object": "chat.completion", "usage": _usage([ev for _, ev in results]),
+                    "choices": [{"index": i, "message": chat_format.message(events),
+                                 "logprobs": fmt.chat(ev.logprobs) if fmt is not None else None,
+                                 "finish_reason": ev.reason} for i, (events, ev) in enumerate(results)]}
 
-        return await self._run(request, seq, gen, chunk, final)
+        return await self._run(request, seqs, gen, chunk, final)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -265,20 +312,27 @@ class Server:
         prompt = completion_prompt(body, self.model.config.vocab_size)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self.tokenizer.encode, prompt)
         seq = self._prepare(ids, gen, chat=False, prediction=await self._prediction_ids(gen))
+        seqs = await run_in_threadpool(self.choices, seq, body, False)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_id,
                 "object": "text_completion", "system_fingerprint": None}
+        fmt = self.logprob_format if seq.logprobs is not None else None
+        sent = [0] * len(seqs)  # characters streamed per choice (the text_offset of the next chunk)
 
-        def chunk(role=False, event=None, finish=None, usage=None) -> dict:
+        def chunk(i, role=False, event=None, finish=None, usage=None, logprobs=()) -> dict:
             if usage is not None:
                 return {**base, "choices": [], "usage": usage}
             text = event.text if event is not None else ""
-            return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            lp = fmt.completion(list(logprobs), sent[i]) if fmt is not None and logprobs else None
+            sent[i] += len(text)
+            return {**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
-        def final(events: list, ev: Finish) -> dict:
-            return {**base, "usage": _usage(ev), "choices": [{"index": 0, "text": "".join(p.text for p in events),
-                                                              "logprobs": None, "finish_reason": ev.reason}]}
+        def final(results: list[tuple[list, Finish]]) -> dict:
+            return {**base, "usage": _usage([ev for _, ev in results]),
+                    "choices": [{"index": i, "text": "".join(p.text for p in pieces), "finish_reason": ev.reason,
+                                 "logprobs": fmt.completion(ev.logprobs) if fmt is not None else None}
+                                for i, (pieces, ev) in enumerate(results)]}
 
-        return await self._run(request, seq, gen, chunk, final)
+        return await self._run(request, seqs, gen, chunk, final)
 
     # -- embeddings, models, health, metrics ----------------------------------------------
     async def embeddings(self, request: Request) -> Response:
@@ -339,12 +393,16 @@ class Server:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def _usage(ev: Finish) -> dict:
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
-            "completion_tokens_details": {"accepted_prediction_tokens": ev.accepted,
-                                          "rejected_prediction_tokens": ev.drafted - ev.accepted}}
+def _usage(evs: list[Finish]) -> dict:
+    """A request's usage: its prompt once (its choices share it), the completions of all its choices."""
+    first = evs[0]
+    done = sum(ev.completion_tokens for ev in evs)
+    accepted, drafted = sum(ev.accepted for ev in evs), sum(ev.drafted for ev in evs)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": done,
+            "total_tokens": first.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
 
 
 def build_app(model, embedder=None, **options: Any) -> Starlette:

@@ -4,7 +4,9 @@
 
 Every chat reply is read by the `OutputParser`: a thought the model writes goes to
 ``reasoning_content``, never into ``content``; calls are parsed when tools are declared and
-``tool_choice`` is "auto". ``tool_choice: "none"`` leaves the tools out of the prompt.
+``tool_choice`` is not "none" (which leaves the tools out of the prompt), and the reply is
+constrained by the tools' grammar (`chat.tool_grammar`: "auto" free text then calls, "required"
+or a named function calls only, each call's arguments following its tool's schema).
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat import history
+from ..chat.tool_grammar import tool_grammar
 from ..chat.parser import (ChatTokens, Content, Event, OutputParser, Reasoning, ToolCallArgs, ToolCallEnd,
                            ToolCallStart, TurnEnd)
 from .protocol import bad
-from .scheduler import Piece
+from .scheduler import Part, Piece
 
 REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True, "max": True}
 
@@ -31,12 +34,12 @@ class ChatOptions:
 
     @property
     def parse_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice == "auto"
+        return bool(self.tools) and self.tool_choice != "none"
 
 
-def _check(fn, *args):
+def _check(fn, *args, **kw):
     try:
-        return fn(*args)
+        return fn(*args, **kw)
     except ValueError as e:  # history's InputError names the field
         raise bad(str(e), getattr(e, "param", None)) from None
 
@@ -46,9 +49,6 @@ def chat_options(body: dict) -> ChatOptions:
     decls = _check(history.check_tools, tools) if tools is not None else []
     choice = body.get("tool_choice")
     choice = _check(history.check_tool_choice, ("auto" if decls else "none") if choice is None else choice, decls)
-    if choice not in ("none", "auto"):
-        raise bad(f"tool_choice {choice!r} is not supported by this server yet ('required' and a named function need "
-                  "constrained decoding); use 'auto' or 'none'", "tool_choice", "unsupported_parameter")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad(f"'parallel_tool_calls' must be a boolean, got {parallel!r}", "parallel_tool_calls")
@@ -79,6 +79,14 @@ def prompt_ids(tokenizer, messages: list[dict[str, Any]], opts: ChatOptions) -> 
                                            thinking=opts.thinking))
 
 
+def tool_constraint(tokenizer, opts: ChatOptions):
+    """The grammar of the tools' calls (None without tools or with tool_choice "none"); a schema it
+    cannot enforce is a 400 naming where."""
+    if not opts.parse_calls:
+        return None
+    return _check(tool_grammar, tokenizer, opts.tools, opts.tool_choice, opts.parallel, thinking=opts.thinking)
+
+
 class ChatReader:
     """The scheduler's reader of a chat sequence (`scheduler.TextReader`'s interface) over the parser."""
 
@@ -98,8 +106,10 @@ class ChatReader:
         return [e for e in events if not isinstance(e, TurnEnd)], events[-1].finish_reason
 
 
-def delta(ev: Event) -> dict | None:
-    """The ``choices[0].delta`` of one event (None: nothing to send)."""
+def delta(ev) -> dict | None:
+    """The ``choices[i].delta`` of one scheduler event: a `Part` of the chat reader, or a `Piece` (a
+    model without Gemma 4's chat format). None: nothing to send."""
+    ev = ev.event if isinstance(ev, Part) else ev
     if isinstance(ev, (Content, Piece)):
         return {"content": ev.text}
     if isinstance(ev, Reasoning):
@@ -112,10 +122,11 @@ def delta(ev: Event) -> dict | None:
     return None  # ToolCallEnd
 
 
-def message(events: list[Event]) -> dict:
+def message(events: list) -> dict:
     """The non-streamed ``choices[0].message``: the same events joined."""
     content, reasoning, calls = [], [], []
     for ev in events:
+        ev = ev.event if isinstance(ev, Part) else ev
         if isinstance(ev, (Content, Piece)):
             content.append(ev.text)
         elif isinstance(ev, Reasoning):

@@ -108,10 +108,9 @@ class Generation:
     prediction: str | None = None  # OpenAI's Predicted Outputs: text the reply is expected to repeat
 
 
-UNSUPPORTED_GEN = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
-                   "logit_bias": ({},), "functions": ([],), "best_of": 1, "echo": False,
-                   "suffix": "", "response_format": ({"type": "text"},)}
-CHAT_ONLY = {"tools": ([],), "tool_choice": "none"}  # (chat completions read them: `chat_format`)
+UNSUPPORTED_GEN = {"frequency_penalty": 0, "presence_penalty": 0,  # n, logprobs, response_format: server.constraints
+                   "logit_bias": ({},), "functions": ([],), "best_of": 1, "echo": False, "suffix": ""}
+CHAT_ONLY = {"tools": ([],), "tool_choice": "none"}  # (chat completions read them: server.chat_format)
 
 
 def generation(body: dict, limits: Limits) -> Generation:

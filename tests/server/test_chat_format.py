@@ -29,10 +29,14 @@ WANT_ARGS = [{"days": 3, "location": 'Paris, "FR"', "units": "c"}, {"args": [1, 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, gl):
+def real(tmp_path_factory, gl):
     from gemmalite.tools.synth import synth
 
-    real = gl.load(synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False), context=512)
+    return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False), context=512)
+
+
+@pytest.fixture(scope="module")
+def model(real):
     return scripted_model(real)
 
 
@@ -41,6 +45,16 @@ def live(model):
     from gemmalite.server import build_app
 
     s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY, max_concurrency=4))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def live_real(real):
+    """The same checkpoint on its own (random) weights: calls only where the grammar forces them."""
+    from gemmalite.server import build_app
+
+    s = LiveServer(build_app(real, model_id=MODEL_ID, api_key=KEY, max_concurrency=4))
     yield s
     s.stop()
 
@@ -163,8 +177,11 @@ def test_tool_choice_none_and_cut_calls(live, model):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "run"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "a+"}}}}}]},
+     "tools[0].function.parameters.properties.s"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs"),
@@ -178,7 +195,7 @@ def test_bad_requests_name_the_param(live, kw, param):
     body = {"model": MODEL_ID, "messages": USER, **kw}
     status, _, out = live.raw("POST", "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error", out
-    known = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
+    known = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "response_format"}
     with pytest.raises(openai.BadRequestError) as e:
         live.client().chat.completions.create(**{k: v for k, v in body.items() if k in known},
                                               extra_body={k: v for k, v in body.items() if k not in known})
@@ -191,3 +208,32 @@ def test_completions_refuse_tools_and_the_server_keeps_serving(live, model):
     script(model, USER, "still here", tools=None)
     r = live.client().chat.completions.create(model=MODEL_ID, messages=USER)
     assert r.choices[0].message.content == "still here"
+
+
+FORCED = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1,
+                                                                                           "maximum": 7},
+                                     "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city", "days"], "additionalProperties": False}}},
+          {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False),
+                                              ({"type": "function", "function": {"name": "get_weather"}}, True)])
+def test_required_and_named_calls_validate_on_random_weights(live_real, choice, parallel):
+    """Random weights call no tool by themselves: ``required`` / a named function make them, with
+    arguments that validate against the tool's schema; streamed, the same calls (same seed)."""
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{live_real.port}/v1", api_key=KEY, max_retries=0, timeout=900)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED}
+    kw = dict(model=MODEL_ID, messages=USER, tools=FORCED, tool_choice=choice, parallel_tool_calls=parallel,
+              max_tokens=160, temperature=1.0, seed=7)
+    r = c.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert len(msg.tool_calls) >= 1 and (parallel or len(msg.tool_calls) == 1)
+    for t in msg.tool_calls:
+        assert isinstance(choice, str) or t.function.name == "get_weather"
+        jsonschema.validate(json.loads(t.function.arguments), schemas[t.function.name])
+    _, _, calls, finish = joined(c.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls"
+    assert [(x["name"], x["arguments"]) for x in calls] == [(t.function.name, t.function.arguments) for t in msg.tool_calls]
