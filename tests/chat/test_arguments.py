@@ -7,19 +7,11 @@ import json
 import re
 
 import pytest
-from conftest import ARGUMENTS
+from chat_data import ARGUMENTS, gemma_text, tok  # noqa: F401 (tok: a fixture)
 
 from gemmalite.chat.arguments import ArgumentsTranscoder
 
 DELIM = '<|"|>'
-
-
-def gemma_text(tok, args: dict) -> str:
-    """The template's rendering of a call with ``args``: the text between ``call:f`` and ``<tool_call|>``."""
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"},
-                                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}],
-                                   add_generation_prompt=False)
-    return re.search(r"<\|tool_call>call:f(.*?)<tool_call\|>", text, re.S).group(1)
 
 
 def items(text: str, cuts: tuple[int, ...] = ()) -> list[str | None]:

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from conftest import ARGUMENTS
+from chat_data import ARGUMENTS, current_tok, tok  # noqa: F401 (tok, current_tok: fixtures)
 
 from gemmalite.chat import ChatReply, OutputParser, chat_ids, check_tool_choice, check_tools, prepare, template_kind
 from gemmalite.chat.arguments import ArgumentsTranscoder

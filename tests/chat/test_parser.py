@@ -7,8 +7,7 @@ import json
 import re
 
 import pytest
-from conftest import ARGUMENTS
-from test_arguments import gemma_text
+from chat_data import ARGUMENTS, gemma_text, tok  # noqa: F401 (tok: a fixture)
 
 from gemmalite.chat import (ChatReply, ChatTokens, Content, OutputParser, Reasoning, ToolCallArgs, ToolCallEnd,
                             ToolCallStart, TurnEnd)

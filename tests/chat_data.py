@@ -1,12 +1,14 @@
-"""The real Gemma 4 tokenizer and both revisions of its chat template, for the chat-format tests."""
+"""The real Gemma 4 tokenizer and both revisions of its chat template, for the chat-format tests
+(imported by them: a conftest.py of their own would shadow tests/conftest.py's helpers)."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 
-CURRENT_TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "gemma4-it-chat-template.jinja"
+CURRENT_TEMPLATE = Path(__file__).resolve().parent / "data" / "gemma4-it-chat-template.jinja"
 
 #: argument objects the template renders into Gemma's call syntax: strings holding the syntax's
 #: own characters, newlines and unicode, numbers, literals, nesting, empty containers
@@ -31,14 +33,17 @@ def tok():
 
 
 @pytest.fixture(scope="session")
-def legacy_template(tok):
-    return tok.chat_template
-
-
-@pytest.fixture(scope="session")
 def current_tok(tok):
     """The same vocabulary with the current template revision (tests/data)."""
     t = copy.copy(tok)
     t.chat_template = CURRENT_TEMPLATE.read_text()
     t._template = None
     return t
+
+
+def gemma_text(tok, args: dict) -> str:
+    """The template's rendering of a call with ``args``: the text between ``call:f`` and ``<tool_call|>``."""
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]}],
+                                   add_generation_prompt=False)
+    return re.search(r"<\|tool_call>call:f(.*?)<tool_call\|>", text, re.S).group(1)
