@@ -237,3 +237,16 @@ def test_required_and_named_calls_validate_on_random_weights(live_real, choice, 
     _, _, calls, finish = joined(c.chat.completions.create(**kw, stream=True))
     assert finish == "tool_calls"
     assert [(x["name"], x["arguments"]) for x in calls] == [(t.function.name, t.function.arguments) for t in msg.tool_calls]
+
+
+def test_logprobs_ride_with_the_parts(live, model):
+    """Every generated token's logprob reaches the client, streamed or not, whatever part it wrote."""
+    script(model, USER, THOUGHT + CALLS, thinking=True)
+    c = live.client()
+    kw = dict(model=MODEL_ID, messages=USER, tools=TOOLS, reasoning_effort="high", logprobs=True, top_logprobs=2)
+    r = c.chat.completions.create(**kw)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+    streamed = [e for ch in c.chat.completions.create(**kw, stream=True) for x in ch.choices
+                if x.logprobs for e in x.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
