@@ -16,7 +16,7 @@ import numpy as np
 
 from .chat import history
 from .chat.parser import ChatReply, OutputParser, reply_events
-from .chat.tool_grammar import tool_grammar
+from .chat.tool_grammar import response_format_grammar, tool_grammar
 from .errors import ConfigError, InputError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
@@ -274,7 +274,7 @@ class ChatSession:
              truncate: bool = False, prompt_lookup: int | bool = False, tools: list[dict[str, Any]] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool = True, thinking: bool | None = None,
              structured: bool = False, json_schema=None, regex=None, grammar=None, logprobs=None,
-             **template_kwargs: Any):
+             response_format: dict | None = None, **template_kwargs: Any):
         """The model's reply to the conversation ``messages``: the text (or a `Stream` of pieces);
         with ``tools``, ``tool_choice``, ``thinking`` or ``structured=True``, a `ChatReply` (content,
         reasoning, tool calls, finish reason, logprobs), or a `Stream` of `chat.parser` events.
@@ -287,7 +287,8 @@ class ChatSession:
         constrained to each tool's ``parameters`` schema (`chat.tool_grammar`).
         ``parallel_tool_calls=False``: one call at most; ``thinking``: let the model think first
         (off by default). ``json_schema`` / ``regex`` / ``grammar`` and ``logprobs`` as in
-        `Model.generate_tokens` (a constraint of its own does not go with tools)."""
+        `Model.generate_tokens` (a constraint of its own does not go with tools); ``response_format``:
+        OpenAI's (``json_object`` / ``json_schema``), beside tools with "auto" (that JSON or calls)."""
         m = self.model
         inputs.messages(messages)
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
@@ -297,7 +298,7 @@ class ChatSession:
         stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
         gram = m.constraint(json_schema, regex, grammar)
         structured = inputs.flag(structured, "structured") or tools is not None or tool_choice is not None \
-            or thinking is not None
+            or thinking is not None or response_format is not None
         if not structured:
             ids = history.chat_ids(m.tokenizer, messages, **template_kwargs)
             return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
@@ -311,8 +312,13 @@ class ChatSession:
         if calls:
             if gram is not None:
                 raise InputError("json_schema / regex / grammar do not go with tools (unless tool_choice='none'): "
-                                 "the tools' own grammar constrains the reply")
-            gram = tool_grammar(m.tokenizer, decls, choice, parallel, thinking=think)
+                                 "the tools' own grammar constrains the reply (give response_format= for JSON "
+                                 "beside the calls)")
+            gram = tool_grammar(m.tokenizer, decls, choice, parallel, thinking=think, response_format=response_format)
+        elif response_format is not None:
+            if gram is not None:
+                raise InputError("response_format and json_schema / regex / grammar: give one constraint")
+            gram = response_format_grammar(m.tokenizer, response_format, thinking=think)
         ids = history.chat_ids(m.tokenizer, messages, tools=decls if choice != "none" else None, thinking=think,
                                **template_kwargs)
         return m.reply(self.state, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,

@@ -278,17 +278,24 @@ def chosen_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[di
 
 
 def tool_grammar(tokenizer: Tokenizer, tools: Any, tool_choice: Any = "auto", parallel_tool_calls: bool = True, *,
-                 thinking: bool = False) -> Grammar | None:
-    """The grammar of a reply to a request with OpenAI ``tools`` (None for ``tool_choice="none"``):
-    ``"auto"``: free text, then optionally tool calls; ``"required"`` / a named function: calls
-    only (of that function); ``parallel_tool_calls``: one call or several. Each call's arguments
-    follow its tool's ``parameters`` (see the module's supported subset). ``thinking``: a thought
-    (``<|channel>...<channel|>``) may come first."""
+                 thinking: bool = False, response_format: Any = None) -> Grammar | None:
+    """The grammar of a reply to a request with OpenAI ``tools`` (None for ``tool_choice="none"``
+    without a ``response_format``): ``"auto"``: free text, then optionally tool calls;
+    ``"required"`` / a named function: calls only (of that function); ``parallel_tool_calls``:
+    one call or several. Each call's arguments follow its tool's ``parameters`` (see the
+    module's supported subset). ``thinking``: a thought (``<|channel>...<channel|>``) may come
+    first. ``response_format`` (json_object / json_schema): with ``"auto"`` the reply is either
+    that JSON or calls; with ``"none"`` just the JSON (`response_format_grammar`); with
+    ``"required"`` / a named function it is refused (``param`` response_format): the reply is a call."""
     tools = check_tools(tools)
     picked = chosen_tools(tools, tool_choice)
+    body = _json_body(response_format)
     if picked is None:
-        return None
+        return response_format_grammar(tokenizer, response_format, thinking=thinking) if body else None
     chosen, required = picked
+    if body and required:
+        raise bad("response_format", "cannot be combined with tool_choice 'required' or a named function: "
+                  "that reply is a tool call, never JSON content")
     if not isinstance(parallel_tool_calls, bool):
         raise bad("parallel_tool_calls", f"must be a boolean, got {parallel_tool_calls!r}")
     lines: list[str] = []
@@ -307,10 +314,39 @@ def tool_grammar(tokenizer: Tokenizer, tools: Any, tool_choice: Any = "auto", pa
     lines.append(f"call: {' | '.join(alts)}")
     calls = "call+" if parallel_tool_calls else "call"
     head = "thought? " if thinking else ""
-    start = f"{head}{calls}" if required else f"{head}TEXT? ({calls})?"
+    if required:
+        start = f"{head}{calls}"
+    elif body:
+        schema, strict = body
+        lines.append("body: %json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
+        start = f"{head}(body | {calls})"
+    else:
+        start = f"{head}TEXT? ({calls})?"
     if thinking:
         lines.append(thought_rule(tokenizer))
-    return Grammar.lark(tokenizer, "\n".join([f"start: {start}", *lines, *TERMINALS]) + "\n", what="tools")
+    what = "response_format" if body else "tools"
+    return Grammar.lark(tokenizer, "\n".join([f"start: {start}", *lines, *TERMINALS]) + "\n", what=what)
+
+
+def _json_body(response_format: Any) -> tuple[dict, bool] | None:
+    """(schema, strict) of a JSON ``response_format``, None for text or none (checked as
+    `response_format_grammar` checks it)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, False
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad("response_format.json_schema", "must be {'name': ..., 'schema': {...}, 'strict': bool}")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad("response_format.json_schema.strict", f"must be a boolean, got {strict!r}")
+        return spec.get("schema", {}), bool(strict)
+    raise bad("response_format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
 
 
 def thought_rule(tokenizer: Tokenizer) -> str:
@@ -323,29 +359,16 @@ def response_format_grammar(tokenizer: Tokenizer, response_format: Any, *, think
     ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (strict: every keyword
     enforced, else an `InputError`; not strict: keywords the engine cannot enforce are ignored).
     ``thinking``: a thought may come before the JSON."""
-    if response_format is None:
+    body = _json_body(response_format)
+    if body is None:
         return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        schema, strict = {"type": "object"}, False
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise bad("response_format.json_schema", "must be {'name': ..., 'schema': {...}, 'strict': bool}")
-        schema, strict = spec.get("schema", {}), spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise bad("response_format.json_schema.strict", f"must be a boolean, got {strict!r}")
-        strict = bool(strict)
-    else:
-        raise bad("response_format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
-    where = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+    schema, strict = body
+    where = "response_format.json_schema.schema" if response_format["type"] == "json_schema" else "response_format"
     try:
         if not thinking:
             return Grammar.json_schema(tokenizer, schema, strict=strict, what=where)
-        body = json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}})
-        lark = f"start: thought? body\nbody: %json {body}\n{thought_rule(tokenizer)}\nTEXT: /(?s:.+)/\n"
+        js = json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}})
+        lark = f"start: thought? body\nbody: %json {js}\n{thought_rule(tokenizer)}\nTEXT: /(?s:.+)/\n"
         return Grammar.lark(tokenizer, lark, what=where)
     except InputError as e:
         raise bad(where, str(e).removeprefix(where + ": ")) from None

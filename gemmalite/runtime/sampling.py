@@ -58,11 +58,7 @@ class Sampler:
             ids = np.flatnonzero(allowed)
             if ids.size == 0:
                 raise RuntimeError("the grammar allows no token here")
-        if p.repetition_penalty and p.repetition_penalty != 1.0 and history:
-            z = z.copy()
-            seen = np.unique(np.asarray(history, dtype=np.int64))
-            vals = z[seen]
-            z[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        z = penalized(z, history, p.repetition_penalty)
         if ids is not None:
             z = z[ids]
         if p.greedy:
@@ -72,6 +68,18 @@ class Sampler:
         probs = allowed_probs(z[cand].astype(np.float64) / p.temperature, p.top_p, p.min_p)
         pick = int(cand[self.rng.choice(len(probs), p=probs)])
         return pick if ids is None else int(ids[pick])
+
+
+def penalized(z: np.ndarray, history: list[int] | None, penalty: float | None) -> np.ndarray:
+    """Logits after the repetition penalty (transformers' RepetitionPenaltyLogitsProcessor): each
+    token seen in ``history`` has its logit divided by ``penalty`` when positive, else multiplied."""
+    if not penalty or penalty == 1.0 or not history:
+        return z
+    z = z.copy()
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    vals = z[seen]
+    z[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return z
 
 
 def candidates(z: np.ndarray, top_k: int | None) -> np.ndarray:

@@ -153,12 +153,8 @@ class Server:
         ``logprobs`` setting."""
         n = read_n(body)
         seq.logprobs = read_logprobs(body, chat)
-        grammar = read_response_format(body, self.tokenizer, thinking)
-        if tools is not None:
-            if grammar is not None:
-                raise bad("'response_format' does not go with tools (unless tool_choice is 'none')", "response_format",
-                          "unsupported_parameter")
-            grammar = tools
+        # the tools' grammar holds the response_format beside the calls (chat_format.tool_constraint)
+        grammar = tools if tools is not None else read_response_format(body, self.tokenizer, thinking)
         seqs = [seq]
         for i in range(1, n):
             seed = seq.params.seed
@@ -277,7 +273,7 @@ class Server:
         if self.chat_format:
             seq.output = lambda: chat_format.ChatReader(self.tokenizer, seq.stop_strings, opts)
         # (the tools' grammar and a response_format schema compile in a worker thread)
-        tools = await run_in_threadpool(chat_format.tool_constraint, self.tokenizer, opts)
+        tools = await run_in_threadpool(chat_format.tool_constraint, self.tokenizer, opts, body.get("response_format"))
         seqs = await run_in_threadpool(self.choices, seq, body, True, opts.thinking, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}

@@ -79,12 +79,14 @@ def prompt_ids(tokenizer, messages: list[dict[str, Any]], opts: ChatOptions) -> 
                                            thinking=opts.thinking))
 
 
-def tool_constraint(tokenizer, opts: ChatOptions):
-    """The grammar of the tools' calls (None without tools or with tool_choice "none"); a schema it
-    cannot enforce is a 400 naming where."""
+def tool_constraint(tokenizer, opts: ChatOptions, response_format=None):
+    """The grammar of the tools' calls, with ``response_format`` beside them ("auto": that JSON or
+    calls); None without tools or with tool_choice "none". A schema it cannot enforce, or a
+    response_format with "required" / a named function, is a 400 naming where."""
     if not opts.parse_calls:
         return None
-    return _check(tool_grammar, tokenizer, opts.tools, opts.tool_choice, opts.parallel, thinking=opts.thinking)
+    return _check(tool_grammar, tokenizer, opts.tools, opts.tool_choice, opts.parallel, thinking=opts.thinking,
+                  response_format=response_format)
 
 
 class ChatReader:

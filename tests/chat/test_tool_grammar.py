@@ -194,3 +194,18 @@ def test_response_format_refusals(model):
     with pytest.raises(InputError) as e:
         response_format_grammar(tok, {"type": "xml"})
     assert e.value.param == "response_format"
+
+
+def test_tools_with_response_format(model):
+    tok = model.tokenizer
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+    g = tool_grammar(tok, TOOLS, "auto", response_format=rf)
+    for text, ok in [('{"a":3}', True), ('<|tool_call>call:ping{}<tool_call|>', True), ("hello", False)]:
+        ids = tok.encode(text, add_special_tokens=False)
+        m = g.matcher(STOP)
+        assert (m.valid_prefix(ids) == len(ids) and (m.ll.consume_tokens(ids) and m.accepting)) == ok, text
+    assert tool_grammar(tok, TOOLS, "none", response_format=rf) is not None
+    with pytest.raises(InputError) as e:
+        tool_grammar(tok, TOOLS, "required", response_format=rf)
+    assert e.value.param == "response_format"
