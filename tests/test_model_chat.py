@@ -173,3 +173,20 @@ def test_auto_with_the_grammar_and_logprobs(real):
     for c in a.tool_calls:
         if c.complete:
             jsonschema.validate(json.loads(c.arguments), SCHEMA if c.name == "get_weather" else {"type": "object"})
+
+
+def test_response_format_beside_tools(real):
+    """``auto`` with a response_format: the reply is that JSON, or calls; with ``required`` it is refused."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    r = real.session().chat(USER, tools=FORCED, response_format=fmt, max_new_tokens=64, temperature=1.0, seed=3)
+    assert r.finish_reason in ("stop", "tool_calls")
+    if r.tool_calls:
+        for c in r.tool_calls:
+            jsonschema.validate(json.loads(c.arguments), SCHEMA if c.name == "get_weather" else {"type": "object"})
+    else:
+        jsonschema.validate(json.loads(r.content), fmt["json_schema"]["schema"])
+    with pytest.raises(InputError, match="response_format"):
+        real.chat(USER, tools=FORCED, tool_choice="required", response_format=fmt)
