@@ -4,15 +4,20 @@ from . import settings
 # Before numpy / numba load: kernel cache under the user's cache folder (never inside the
 # package), worker threads that sleep instead of spinning when they wait (see settings.py).
 settings.apply()
+from .chat import ChatReply, ToolCall  # noqa: E402
 from .embeddings import Embedder, load_embedder  # noqa: E402
 from .errors import (AudioError, CheckpointError, ConfigError, ContextError, ImageError, InputError,  # noqa: E402
                      NumericalError, TokenizerError)
 from .loader import load, load_tokenizer  # noqa: E402
-from .model import ChatSession, Model  # noqa: E402
+from .model import ChatSession, Completion, Model  # noqa: E402
+from .runtime.constrain import Grammar  # noqa: E402
 from .runtime.generate import GenerationStats, Stream  # noqa: E402
+from .runtime.logprobs import TokenLogprob  # noqa: E402
 from .tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["load", "load_tokenizer", "load_embedder", "Model", "ChatSession", "Stream", "GenerationStats", "Tokenizer",
-           "Embedder", "AudioError", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError", "NumericalError",
+           "Grammar", "Completion", "TokenLogprob", "ChatReply", "ToolCall",
+           "Embedder", "AudioError", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError",
+           "NumericalError",
            "TokenizerError"]
 __version__ = settings.VERSION

@@ -9,19 +9,25 @@ convenient form with one default session.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from .chat import history
+from .chat.parser import ChatReply, OutputParser, reply_events
+from .chat.tool_grammar import response_format_grammar, tool_grammar
 from .audio.prompt import TOKENS_PER_SECOND, Audio, message_audio
-from .errors import ConfigError, TokenizerError
+from .errors import ConfigError, InputError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
 from .runtime.cache import KVState
+from .runtime.constrain import Grammar, constraint
 from .runtime.engine import Engine, SoftTokens, place_blocks
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, prompt_lookup_drafts, stop_sets,
                                text_pieces)
+from .runtime.logprobs import logprobs_option
 from .runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .vision.prompt import Vision, message_images
@@ -116,14 +122,22 @@ class Model:
 
     # -- generation ---------------------------------------------------------------------
     def _token_stream(self, state: KVState, arr: np.ndarray, soft: SoftTokens | None, *, max_new_tokens: int,
-                      params: SamplingParams, stop_ids: set[int], stats: GenerationStats, drafts: int = 0):
+                      params: SamplingParams, stop_ids: set[int], stats: GenerationStats, drafts: int = 0,
+                      grammar: Grammar | None = None, logprobs: int | None = None):
+        matcher = grammar.matcher(stop_ids) if grammar is not None else None
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
-                            stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts)
+                            stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts, matcher=matcher,
+                            logprobs=logprobs)
+
+    def constraint(self, json_schema=None, regex=None, grammar=None) -> Grammar | None:
+        """The compiled `Grammar` of a call's ``json_schema`` / ``regex`` / ``grammar`` options
+        (at most one; None without any); an engine-refused one is an `InputError` naming it."""
+        return constraint(self._tokenizer, json_schema=json_schema, regex=regex, grammar=grammar)
 
     def generate_tokens(self, ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
                         top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None,
-                        stream: bool = False, truncate: bool = False, images=None, audio=None,
-                        prompt_lookup: int | bool = False):
+                        stream: bool = False, truncate: bool = False, images=None, audio=None, prompt_lookup: int | bool = False,
+                        json_schema=None, regex=None, grammar=None, logprobs=None):
         """New token ids after ``ids`` (a list, or with ``stream=True`` a `Stream` of ids whose
         ``stats`` fill in as it runs). ``images`` / ``audio`` fill the image / audio placeholders of ``ids``.
 
@@ -131,11 +145,19 @@ class Model:
         token is not returned. ``temperature=0`` is greedy. ``prompt_lookup``: draft tokens
         copied from the text's own n-grams and verified in one step (True: 3 per step; the same
         tokens as without it, faster when the reply repeats its input).
+
+        Constraints (at most one): ``json_schema`` (a dict or JSON text), ``regex``, ``grammar``
+        (Lark text in llguidance's dialect, or a compiled `Grammar`): every token is sampled among
+        those the grammar allows (temperature, top-k/p, min-p and penalties apply over them).
+        ``logprobs``: True, or a count of top tokens (<= 20): ``stats.logprobs`` holds one
+        `TokenLogprob` per new token; a call that does not stream then returns a `Completion`.
         """
         self.check_ids(ids)
         max_new_tokens, params = self._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
                                                repetition_penalty, seed)
         drafts = prompt_lookup_drafts(prompt_lookup)
+        top = logprobs_option(logprobs)
+        gram = self.constraint(json_schema, regex, grammar)
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=False,
                                            vocab_size=self.config.vocab_size)
         if stop_strings:
@@ -144,23 +166,31 @@ class Model:
 
         def items(stats: GenerationStats):
             it = self._token_stream(self.new_state(), arr, soft, max_new_tokens=max_new_tokens, params=params,
-                                    stop_ids=stop_ids, stats=stats, drafts=drafts)
+                                    stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=gram, logprobs=top)
             return cut_tokens_at_strings(it, self.tokenizer, stop_strings, stats) if stop_strings else it
 
         out = Stream(items)
-        return out if stream else list(out)
+        if stream:
+            return out
+        ids_out = list(out)
+        return ids_out if top is None else Completion(ids_out, out.stats)
 
     def generate(self, prompt: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
-                 truncate: bool = False, prompt_lookup: int | bool = False):
-        """Continue ``prompt`` (plain text, ``<bos>`` added): the new text, or a `Stream` of pieces."""
+                 truncate: bool = False, prompt_lookup: int | bool = False, json_schema=None, regex=None, grammar=None,
+                 logprobs=None):
+        """Continue ``prompt`` (plain text, ``<bos>`` added): the new text, or a `Stream` of pieces.
+        ``json_schema`` / ``regex`` / ``grammar`` and ``logprobs`` as in `generate_tokens`."""
         inputs.text(prompt, "prompt")
         max_new_tokens, params = self._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
                                                repetition_penalty, seed)
         drafts = prompt_lookup_drafts(prompt_lookup)
+        top = logprobs_option(logprobs)
         stop_sets(stop, self.defaults, None, chat=False)  # checked before the tokenizer is asked for
+        gram = self.constraint(json_schema, regex, grammar)
         return self.text(self.new_state(), self.tokenizer.encode(prompt), chat=False, stream=stream,
-                          max_new_tokens=max_new_tokens, stop=stop, truncate=truncate, params=params, drafts=drafts)
+                          max_new_tokens=max_new_tokens, stop=stop, truncate=truncate, params=params, drafts=drafts,
+                          grammar=gram, logprobs=top)
 
     def session(self) -> "ChatSession":
         """A new conversation with its own KV state (any number can run side by side)."""
@@ -182,21 +212,69 @@ class Model:
 
     def text(self, state: KVState, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
               stop, truncate: bool, params: SamplingParams, lock: threading.Lock | None = None, images=None,
-              drafts: int = 0, audio=None):
+              drafts: int = 0, audio=None, grammar: Grammar | None = None, logprobs: int | None = None):
         """Generate text after ``ids`` on an explicit ``state`` (what `generate` and `chat` run): tokens,
-        then text cut at stop strings; ``drafts``: prompt-lookup draft tokens per step (0: none).
-        Inputs are checked at the call; ``lock`` (a session's) is held while the state is in use."""
+        then text cut at stop strings; ``drafts``: prompt-lookup draft tokens per step (0: none);
+        ``grammar``: a compiled constraint; ``logprobs``: top count (None: off; a call that does not
+        stream then returns a `Completion`). Inputs are checked at the call; ``lock`` (a
+        session's) is held while the state is in use."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=chat)
         arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
 
         def items(stats: GenerationStats):
             tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, stats=stats, drafts=drafts)
+                                        stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
+                                        logprobs=logprobs)
             pieces = text_pieces(tokens, self.tokenizer, stop_strings, stats)
             return pieces if lock is None else _holding(lock, pieces)
 
         out = Stream(items)
-        return out if stream else "".join(out)
+        if stream:
+            return out
+        text = "".join(out)
+        return text if logprobs is None else Completion(text, out.stats)
+
+    def reply(self, state: KVState, ids: list[int], *, stream: bool, max_new_tokens: int, stop, truncate: bool,
+              params: SamplingParams, tools: bool, max_calls: int | None = None, lock: threading.Lock | None = None,
+              images=None, audio=None, drafts: int = 0, grammar: Grammar | None = None,
+              logprobs: int | None = None):
+        """A chat reply with its parts apart (`ChatReply`, or with ``stream`` a `Stream` of the
+        `chat.parser` events): `text`'s generation, read by the `OutputParser` (``tools``: parse
+        tool calls; ``max_calls``: end the turn after that many); stop strings end the content only."""
+        stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=True)
+        arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
+        parser = OutputParser(self.tokenizer, tools=tools, stops=stop_strings, max_calls=max_calls)
+
+        def items(stats: GenerationStats):
+            tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                        stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
+                                        logprobs=logprobs)
+            events = reply_events(tokens, parser, stats)
+            return events if lock is None else _holding(lock, events)
+
+        out = Stream(items)
+        if stream:
+            return out
+        reply = ChatReply.of(out)
+        reply.stats, reply.logprobs = out.stats, out.stats.logprobs
+        return reply
+
+
+@dataclass
+class Completion:
+    """A finished call that asked for logprobs: its ``output`` (text, or token ids from
+    `Model.generate_tokens`) and its `GenerationStats` (``logprobs``, ``finish_reason``, counts)."""
+
+    output: Any
+    stats: GenerationStats
+
+    @property
+    def logprobs(self):
+        return self.stats.logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stats.finish_reason
 
 
 class ChatSession:
@@ -210,20 +288,61 @@ class ChatSession:
 
     def chat(self, messages: list[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
              top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None, stream: bool = False,
-             truncate: bool = False, prompt_lookup: int | bool = False, **template_kwargs: Any):
-        """The model's reply to the conversation ``messages`` (the text, or a `Stream` of pieces).
+             truncate: bool = False, prompt_lookup: int | bool = False, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True, thinking: bool | None = None,
+             structured: bool = False, json_schema=None, regex=None, grammar=None, logprobs=None,
+             response_format: dict | None = None, **template_kwargs: Any):
+        """The model's reply to the conversation ``messages``: the text (or a `Stream` of pieces);
+        with ``tools``, ``tool_choice``, ``thinking`` or ``structured=True``, a `ChatReply` (content,
+        reasoning, tool calls, finish reason, logprobs), or a `Stream` of `chat.parser` events.
         Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``,
-        audio clips as ``{"type": "audio", "audio": path | bytes | file | array | (array, sample_rate)}``."""
+        audio clips as ``{"type": "audio", "audio": path | bytes | file | array | (array, sample_rate)}``;
+        messages may carry OpenAI's ``tool_calls`` (arguments as JSON text), ``role: "tool"``
+        results and ``reasoning_content``. ``tools``: OpenAI's function declarations;
+        ``tool_choice``: "auto" (the default with tools: text, then calls if the model makes any),
+        "required" (calls only), ``{"type": "function", "function": {"name": ...}}`` (calls of that
+        one) or "none" (the tools are not declared); with tools, the calls' arguments are
+        constrained to each tool's ``parameters`` schema (`chat.tool_grammar`).
+        ``parallel_tool_calls=False``: one call at most; ``thinking``: let the model think first
+        (off by default). ``json_schema`` / ``regex`` / ``grammar`` and ``logprobs`` as in
+        `Model.generate_tokens` (a constraint of its own does not go with tools); ``response_format``:
+        OpenAI's (``json_object`` / ``json_schema``), beside tools with "auto" (that JSON or calls)."""
         m = self.model
         inputs.messages(messages)
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
                                             repetition_penalty, seed)
         drafts = prompt_lookup_drafts(prompt_lookup)
+        top = logprobs_option(logprobs)
         stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
-        ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
-        return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                       truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
-                       drafts=drafts, audio=message_audio(messages))
+        gram = m.constraint(json_schema, regex, grammar)
+        structured = inputs.flag(structured, "structured") or tools is not None or tool_choice is not None \
+            or thinking is not None or response_format is not None
+        if not structured:
+            ids = history.chat_ids(m.tokenizer, messages, **template_kwargs)
+            return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
+                          truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
+                          audio=message_audio(messages), drafts=drafts, grammar=gram, logprobs=top)
+        decls = history.check_tools(tools) if tools is not None else []
+        choice = history.check_tool_choice("auto" if tool_choice is None and decls else tool_choice or "none", decls)
+        parallel = inputs.flag(parallel_tool_calls, "parallel_tool_calls")
+        think = inputs.flag(thinking, "thinking") if thinking is not None else bool(template_kwargs.pop("enable_thinking", False))
+        calls = choice != "none" and bool(decls)
+        if calls:
+            if gram is not None:
+                raise InputError("json_schema / regex / grammar do not go with tools (unless tool_choice='none'): "
+                                 "the tools' own grammar constrains the reply (give response_format= for JSON "
+                                 "beside the calls)")
+            gram = tool_grammar(m.tokenizer, decls, choice, parallel, thinking=think, response_format=response_format)
+        elif response_format is not None:
+            if gram is not None:
+                raise InputError("response_format and json_schema / regex / grammar: give one constraint")
+            gram = response_format_grammar(m.tokenizer, response_format, thinking=think)
+        ids = history.chat_ids(m.tokenizer, messages, tools=decls if choice != "none" else None, thinking=think,
+                               **template_kwargs)
+        return m.reply(self.state, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
+                       params=params, tools=calls, max_calls=None if parallel else 1, lock=self._lock,
+                       images=message_images(messages), audio=message_audio(messages), drafts=drafts, grammar=gram,
+                       logprobs=top)
 
     def reset(self) -> None:
         with self._lock:

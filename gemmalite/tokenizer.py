@@ -356,6 +356,10 @@ class CachedBPE:
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return len(self._tokens)
 
+    def added_ids(self) -> set[int]:
+        """Ids of the added tokens (whole tokens cut out of the text before BPE, special or not)."""
+        return set(self._added.values())
+
     def save(self, path: str) -> None:
         import shutil
 

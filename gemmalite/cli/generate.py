@@ -75,6 +75,54 @@ def stream_out(pieces) -> tuple[str, bool]:
     return "".join(out), False
 
 
+def stream_reply(events):
+    """Write a chat reply's events as they come: its thought to stderr (dimmed on a terminal), apart
+    from the answer on stdout; (the `ChatReply`, whether Ctrl-C cut it)."""
+    from ..chat import ChatReply, Content, Reasoning
+
+    think_out = sys.stderr
+    reply = ChatReply()
+    dim, undim = ("\033[2m", "\033[0m") if think_out.isatty() else ("", "")
+    thinking = False
+    try:
+        for ev in events:
+            reply.add(ev)
+            if isinstance(ev, Reasoning):
+                if not thinking:
+                    think_out.write(f"{dim}[thinking] ")
+                    thinking = True
+                think_out.write(ev.text)
+                think_out.flush()
+                continue
+            if thinking:
+                think_out.write(f"{undim}\n")
+                think_out.flush()
+                thinking = False
+            if isinstance(ev, Content):
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        events.close()
+        if thinking:
+            think_out.write(undim)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print("[stopped]", file=sys.stderr)
+        return reply, True
+    if thinking:
+        think_out.write(f"{undim}\n")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return reply, False
+
+
+def _structured(model) -> bool:
+    """Does the model speak Gemma 4's chat format (its replies are read apart: thought, answer)?"""
+    from ..chat import ChatTokens
+
+    return ChatTokens.find(model.tokenizer) is not None
+
+
 def _user(text: str, images: list[str], audio: list[str] = ()) -> dict[str, Any]:
     """A user message; with images or audio, in the content-part form (pictures, then clips, then the text)."""
     if not images and not audio:
@@ -93,9 +141,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"gemmalite: {a.model} has no chat template (a base model): continuing the prompt as plain text",
               file=sys.stderr)
     t0 = time.perf_counter()
-    pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, **kw) if use_chat else \
-        model.generate(a.prompt, stream=True, **kw)
-    _, stopped = stream_out(pieces)
+    if use_chat and (a.think or _structured(model)):
+        pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, thinking=a.think, **kw)
+        _, stopped = stream_reply(pieces)
+    else:
+        pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, **kw) if use_chat else \
+            model.generate(a.prompt, stream=True, **kw)
+        _, stopped = stream_out(pieces)
     if stopped:
         return 130
     if a.verbose:
@@ -118,6 +170,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     print("gemmalite chat: type a message; /image PATH attaches a picture to the next one, /audio PATH a sound clip, "
           "/reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     prompt = "> " if sys.stdin.isatty() else ""
+    structured = a.think or _structured(model)
     while True:
         try:
             line = input(prompt)
@@ -142,12 +195,16 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append(_user(line, images, audio))
         images, audio = [], []
         try:
-            reply, stopped = stream_out(model.chat(messages, stream=True, **kw))
+            if structured:  # the thought apart from the answer (and out of the history: the template drops it)
+                reply, stopped = stream_reply(model.chat(messages, stream=True, thinking=a.think, **kw))
+                answer = reply.content
+            else:
+                answer, stopped = stream_out(model.chat(messages, stream=True, **kw))
         except ValueError as e:  # a bad picture or clip (or too long a conversation): say so, keep chatting
             print(f"gemmalite: error: {e}", file=sys.stderr)
             messages.pop()
             continue
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": answer})
         if stopped:  # a step may have been cut halfway: the next turn re-reads the conversation
             model.reset_chat()
 
@@ -163,11 +220,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audio", action="append", default=[], metavar="PATH",
                    help="a sound clip for the prompt: WAV, FLAC, OGG or MP3 (repeatable; needs a checkpoint with an audio tower)")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--think", action="store_true", help="let the model think first (Gemma 4); the thought goes to stderr")
     _sampling_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     load_args(p)
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--think", action="store_true", help="let the model think first (Gemma 4); thoughts show apart, on stderr")
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)

@@ -190,6 +190,10 @@ class SPMTokenizer:
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return len(self.tokens)
 
+    def added_ids(self) -> set[int]:
+        """Ids of the control, user-defined and unknown tokens (whole tokens, never pieces of text)."""
+        return {int(i) for i in np.flatnonzero(np.isin(self.types, (CONTROL, USER_DEFINED, UNKNOWN)))}
+
     def save(self, path: str | os.PathLike) -> None:
         """Write an equivalent Hugging Face tokenizer.json (export only: see `hf_tokenizer`)."""
         self.hf_tokenizer().save(os.fspath(path))

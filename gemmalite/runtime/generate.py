@@ -14,10 +14,12 @@ from ..kernels import common
 from ..tokenizer import Tokenizer
 from . import inputs
 from .cache import KVState
+from .constrain import Matcher
 from .engine import Engine, SoftTokens
+from .logprobs import TokenLogprob, token_logprob
 from .sampling import Sampler, SamplingParams
 
-END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>")
+END_OF_TURN_TOKENS = ("<turn|>", "<end_of_turn>", "<|tool_response>")  # a call ends the turn at <|tool_response>
 DEFAULT_MAX_NEW_TOKENS = 256
 PROMPT_LOOKUP_DRAFTS = 3  # draft tokens per prompt-lookup step: with the current token, FEW_ROWS rows
 
@@ -76,6 +78,7 @@ class GenerationStats:
     finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
     draft_tokens: int = 0  # prompt lookup: tokens drafted, and how many of them were right
     accepted_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the call asked for logprobs
 
 
 class Stream:
@@ -115,7 +118,7 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
-                 prompt_lookup: int = 0) -> Iterator[int]:
+                 prompt_lookup: int = 0, matcher: Matcher | None = None, logprobs: int | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
     prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
     ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
@@ -127,7 +130,13 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     what it picks. Each kept row saw exactly the tokens plain decoding would have fed it, and
     `Engine.decode_rows` computes each row bit for bit as a one-token step, so the tokens (and a
     seeded sampler's draws) are those of plain decoding; the KV entries of rejected drafts are
-    rolled back (`KVState.truncate`)."""
+    rolled back (`KVState.truncate`).
+
+    ``matcher`` (a `constrain.Grammar`'s, fresh): each row's token is sampled among the tokens the
+    grammar allows after the tokens before it; drafts are cut where the grammar refuses them, and
+    the tokens the grammar forces are drafted (they are kept like any draft: when sampled). The
+    reply ends ("stop") once the grammar is complete; ``max_new_tokens`` cuts it ("length").
+    ``logprobs`` (top count >= 0): ``stats.logprobs`` gets each new token's `TokenLogprob`."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
     reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
@@ -142,17 +151,27 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     t0 = time.perf_counter()
     rows = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))
     stats.prefill_s = time.perf_counter() - t0
+    if logprobs is not None:
+        stats.logprobs = []
     drafts: list[int] = []
     while True:
+        masks = matcher.masks(drafts, rows.shape[1]) if matcher is not None else None
         for i, logits in enumerate(rows):
             _check_finite(logits, stats.new_tokens)
-            tok = sampler(logits, history)
+            tok = sampler(logits, history, None if masks is None else masks[i])
             if tok in stop_ids:
                 stats.finish_reason = "stop"
                 return
+            if matcher is not None:
+                matcher.consume(tok)
+            if logprobs is not None:
+                stats.logprobs.append(token_logprob(logits, tok, logprobs))
             stats.new_tokens += 1
             yield tok
             history.append(tok)
+            if matcher is not None and matcher.stopped:
+                stats.finish_reason = "stop"
+                return
             if stats.new_tokens == max_new_tokens or state.length - len(drafts) + i >= engine.context:  # (rows kept so far)
                 stats.finish_reason = "length"
                 return
@@ -161,9 +180,8 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
             stats.accepted_tokens += 1
         if len(rows) > 1 and not state.truncate(state.length - len(drafts) + i):  # drop the rejected drafts
             raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
-        room = min(prompt_lookup, common.FEW_ROWS - 1, engine.context - state.length - 1,
-                   max_new_tokens - stats.new_tokens - 1)
-        drafts = lookup_drafts(history, room) if room > 0 else []
+        drafts = next_drafts(history, prompt_lookup, min(engine.context - state.length - 1,
+                                                         max_new_tokens - stats.new_tokens - 1), matcher)
         stats.draft_tokens += len(drafts)
         t0 = time.perf_counter()
         if drafts:
@@ -171,6 +189,24 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         else:
             rows = engine.decode_step(state, tok)[None]
         stats.decode_s += time.perf_counter() - t0
+
+
+def next_drafts(history: list[int], lookup: int, room: int, matcher: Matcher | None = None,
+                source: list[int] | None = None) -> list[int]:
+    """The drafts of the next step (at most ``room`` and ``FEW_ROWS - 1``): with a grammar, the
+    tokens it forces when there are any, else the prompt-lookup drafts (``lookup`` of them) up to
+    the first one the grammar refuses; without one, the prompt-lookup drafts."""
+    room = min(room, common.FEW_ROWS - 1)
+    if room <= 0:
+        return []
+    if matcher is not None:
+        forced = matcher.forced()[:room]
+        if forced:
+            return forced
+    drafts = lookup_drafts(history, min(lookup, room), source=source) if lookup > 0 else []
+    if matcher is not None and drafts:
+        drafts = drafts[: matcher.valid_prefix(drafts)]
+    return drafts
 
 
 def prompt_lookup_drafts(v) -> int:
@@ -264,7 +300,11 @@ class TextCutter:
         self.stopped = False
 
     def push(self, token: int) -> str:
-        self.pending += self.stream.push(token)
+        return self.feed(self.stream.push(token))
+
+    def feed(self, text: str) -> str:
+        """Text decoded elsewhere (the chat output parser's content): the same holding back."""
+        self.pending += text
         return self._emit(final=False)
 
     def finish(self) -> str:

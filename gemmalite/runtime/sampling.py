@@ -1,7 +1,9 @@
 """Next-token choice from one row of logits.
 
 Order as in transformers' generate: repetition penalty, then temperature, top-k, top-p,
-min-p; temperature 0 (or top_k 1) is greedy argmax.
+min-p; temperature 0 (or top_k 1) is greedy argmax. A grammar's mask (``allowed``) comes
+first: the disallowed logits are removed before any of them, so they all work over the
+allowed tokens.
 """
 from __future__ import annotations
 
@@ -45,19 +47,39 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None, allowed: np.ndarray | None = None) -> int:
+        """The next token; ``allowed`` (bool ``[vocab]``, a grammar's mask) limits the choice:
+        sampling then works on the allowed ids only (the same distribution as their logits with
+        every other one at -inf)."""
         p = self.params
         z = np.asarray(logits, dtype=np.float32)
-        if p.repetition_penalty and p.repetition_penalty != 1.0 and history:
-            z = z.copy()
-            seen = np.unique(np.asarray(history, dtype=np.int64))
-            vals = z[seen]
-            z[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        ids = None
+        if allowed is not None:
+            ids = np.flatnonzero(allowed)
+            if ids.size == 0:
+                raise RuntimeError("the grammar allows no token here")
+        z = penalized(z, history, p.repetition_penalty)
+        if ids is not None:
+            z = z[ids]
         if p.greedy:
-            return int(np.argmax(z))
-        ids = candidates(z, p.top_k)
-        probs = allowed_probs(z[ids].astype(np.float64) / p.temperature, p.top_p, p.min_p)
-        return int(ids[self.rng.choice(len(probs), p=probs)])
+            best = int(np.argmax(z))
+            return best if ids is None else int(ids[best])
+        cand = candidates(z, p.top_k)
+        probs = allowed_probs(z[cand].astype(np.float64) / p.temperature, p.top_p, p.min_p)
+        pick = int(cand[self.rng.choice(len(probs), p=probs)])
+        return pick if ids is None else int(ids[pick])
+
+
+def penalized(z: np.ndarray, history: list[int] | None, penalty: float | None) -> np.ndarray:
+    """Logits after the repetition penalty (transformers' RepetitionPenaltyLogitsProcessor): each
+    token seen in ``history`` has its logit divided by ``penalty`` when positive, else multiplied."""
+    if not penalty or penalty == 1.0 or not history:
+        return z
+    z = z.copy()
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    vals = z[seen]
+    z[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return z
 
 
 def candidates(z: np.ndarray, top_k: int | None) -> np.ndarray:

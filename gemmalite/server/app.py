@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import time
@@ -30,10 +31,13 @@ from ..errors import AudioError, ImageError
 from ..runtime.engine import SoftTokens
 from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
+from . import chat_format
+from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
-from .protocol import (APIError, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt, embedding_inputs,
-                       generation, opt_int, require_model, transcription_messages, transcription_options)
-from .scheduler import Finish, Overloaded, Piece, Scheduler, Sequence
+from .protocol import (CHAT_ONLY, APIError, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt,
+                       embedding_inputs, generation, opt_int, reject_unsupported, require_model, transcription_messages,
+                       transcription_options)
+from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
 from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
@@ -51,6 +55,8 @@ class Server:
                  limits: Limits | None = None, prompt_lookup: int | bool = 0):
         self.model = model
         self.tokenizer = model.tokenizer  # a server needs text: fail at start-up, not per request
+        # a Gemma 4 vocabulary: chat replies are read apart (thought, calls); else they are plain text (Gemma 3)
+        self.chat_format = chat_format.ChatTokens.find(self.tokenizer) is not None
         self.embedder = embedder
         self.model_id = model_id
         self.embedder_id = embedder_id if embedder is not None else None
@@ -63,6 +69,7 @@ class Server:
                                    max_queue=max_queue, prefix_cache=prefix_cache, metrics=self.metrics)
         self.metrics.gauge("gemmalite_active_sequences", lambda: len(self.scheduler.active))
         self.metrics.gauge("gemmalite_queue_depth", lambda: self.scheduler.queue_depth)
+        self.logprob_format = LogprobFormat(self.tokenizer)
         self._embed_lock = asyncio.Lock()
         self.created = int(time.time())
 
@@ -170,36 +177,65 @@ class Server:
                         stop_strings=stop_strings, sink=lambda ev: None, soft=soft, lookup=lookup,
                         prediction=prediction or [])
 
-    async def _run(self, request: Request, seq: Sequence, gen: Generation, chunk: Callable[..., dict],
-                   final: Callable[[str, Finish], dict | Response]) -> Response:
-        """Submit ``seq``; answer with an SSE stream of ``chunk`` events or one ``final`` body (or response)."""
+    def choices(self, seq: Sequence, body: dict, chat: bool, thinking: bool = False, tools=None) -> list[Sequence]:
+        """``seq`` and its ``n - 1`` siblings (seeds ``seed + i``; they share its prefill), each with
+        its own matcher of the request's ``response_format`` (or of its ``tools``' grammar) and its
+        ``logprobs`` setting."""
+        n = read_n(body)
+        seq.logprobs = read_logprobs(body, chat)
+        # the tools' grammar holds the response_format beside the calls (chat_format.tool_constraint)
+        grammar = tools if tools is not None else read_response_format(body, self.tokenizer, thinking)
+        seqs = [seq]
+        for i in range(1, n):
+            seed = seq.params.seed
+            params = seq.params if seed is None else dataclasses.replace(seq.params, seed=(seed + i) % 2**64)
+            seqs.append(dataclasses.replace(seq, params=params))
+        if grammar is not None:
+            for s in seqs:
+                s.matcher = grammar.matcher(s.stop_ids)
+        return seqs
+
+    async def _run(self, request: Request, seqs: list[Sequence], gen: Generation, chunk: Callable[..., dict],
+                   final: Callable[[list[tuple[list, Finish]]], dict | Response]) -> Response:
+        """Submit ``seqs`` (a request's choices); answer with an SSE stream of ``chunk`` events or
+        one ``final`` body (or response) built from each choice's (events: `Piece`s or `Part`s, `Finish`)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seq.sink = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        for i, seq in enumerate(seqs):
+            seq.sink = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
         try:
-            self.scheduler.submit(seq)
+            for seq in seqs:
+                self.scheduler.submit(seq)
         except Overloaded as e:
+            for seq in seqs:
+                seq.cancel()
             raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="overloaded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         if gen.stream:
-            return StreamingResponse(self._sse(seq, events, gen, chunk), media_type="text/event-stream",
+            return StreamingResponse(self._sse(seqs, events, gen, chunk), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text: list[str] = []
+        got: list[list] = [[] for _ in seqs]
+        lps: list[list] = [[] for _ in seqs]
+        done: dict[int, Finish] = {}
         try:
-            while True:
+            while len(done) < len(seqs):
                 try:
-                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                    i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)  # client closed the request: nobody reads this
                     continue
-                if isinstance(ev, Piece):
-                    text.append(ev.text)
+                if isinstance(ev, (Piece, Part)):
+                    got[i].append(ev)
+                    lps[i] += ev.logprobs
                     continue
                 self._check_finish(ev)
-                out = final("".join(text), ev)
-                return out if isinstance(out, Response) else JSONResponse(out)
+                ev.logprobs = lps[i] + ev.logprobs
+                done[i] = ev
+            out = final([(got[i], done[i]) for i in range(len(seqs))])
+            return out if isinstance(out, Response) else JSONResponse(out)
         finally:
-            seq.cancel()  # a no-op once finished; frees the slot if the client left
+            for seq in seqs:
+                seq.cancel()  # a no-op once finished; frees the slot if the client left
 
     @staticmethod
     def _check_finish(ev: Finish) -> None:
@@ -209,41 +245,51 @@ class Server:
             raise APIError(503, "the server is shutting down", type="server_error",
                            headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _sse(self, seq: Sequence, events: asyncio.Queue, gen: Generation, chunk: Callable[..., dict]):
+    async def _sse(self, seqs: list[Sequence], events: asyncio.Queue, gen: Generation, chunk: Callable[..., dict]):
         def data(obj: Any) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         try:
-            yield data(chunk(role=True))
-            while True:
-                ev = await events.get()
-                if isinstance(ev, Piece):
-                    yield data(chunk(text=ev.text))
+            for i in range(len(seqs)):
+                yield data(chunk(i, role=True))
+            finished: list[Finish] = []
+            while len(finished) < len(seqs):
+                i, ev = await events.get()
+                if isinstance(ev, (Piece, Part)):
+                    c = chunk(i, event=ev, logprobs=ev.logprobs)
+                    if c is not None:
+                        yield data(c)
                     continue
                 try:
                     self._check_finish(ev)
                 except APIError as e:
                     yield data(e.body())
                     return
-                yield data(chunk(finish=ev.reason))
-                if gen.include_usage:
-                    yield data(chunk(usage=_usage(ev)))
-                yield "data: [DONE]\n\n"
-                return
+                yield data(chunk(i, finish=ev.reason, logprobs=ev.logprobs))
+                finished.append(ev)
+            if gen.include_usage:
+                yield data(chunk(0, usage=_usage(finished)))
+            yield "data: [DONE]\n\n"
         finally:
-            seq.cancel()  # the client went away mid-stream (or we are done): free the slot
+            for seq in seqs:
+                seq.cancel()  # the client went away mid-stream (or we are done): free the slots
 
-    async def _chat_sequence(self, messages: list[dict[str, Any]], gen: Generation, param: str = "messages") -> Sequence:
-        """A conversation as the scheduler runs it: rendered, its pictures and clips through their
-        towers (here, in a worker thread, not in the scheduler), checked against the context."""
+    async def _chat_sequence(self, messages: list[dict[str, Any]], gen: Generation, param: str = "messages",
+                             opts: chat_format.ChatOptions | None = None) -> Sequence:
+        """A conversation as the scheduler runs it: rendered (with ``opts``' tools and thinking), its
+        pictures and clips through their towers (here, in a worker thread, not in the scheduler),
+        checked against the context."""
         images, clips = message_images(messages), message_audio(messages)
         if images and self.model.vision is None:
             raise bad(f"the model {self.model_id!r} has no vision tower: it takes no image_url parts", param,
                       "images_not_supported")
         if clips and self.model.audio is None:
             raise bad(f"the model {self.model_id!r} has no audio tower: it takes no audio", param, "audio_not_supported")
+        opts = opts if opts is not None else chat_format.chat_options({})
         try:
-            ids = await run_in_threadpool(self.tokenizer.chat_ids, messages, add_generation_prompt=True)
+            ids = await run_in_threadpool(chat_format.prompt_ids, self.tokenizer, messages, opts)
+        except APIError:
+            raise
         except ValueError as e:
             raise bad(f"cannot render the conversation: {e}", param) from None
         except Exception as e:  # jinja2's TemplateError (the template's raise_exception)
@@ -265,44 +311,67 @@ class Server:
         body = await self.read_json(request)
         require_model(body, self.model_id, "chat")
         gen = generation(body, self.limits)
-        seq = await self._chat_sequence(chat_messages(body, self.limits), gen)
+        opts = chat_format.chat_options(body)
+        seq = await self._chat_sequence(chat_messages(body, self.limits), gen, opts=opts)
+        if self.chat_format:
+            seq.output = lambda: chat_format.ChatReader(self.tokenizer, seq.stop_strings, opts)
+        # (the tools' grammar and a response_format schema compile in a worker thread)
+        tools = await run_in_threadpool(chat_format.tool_constraint, self.tokenizer, opts, body.get("response_format"))
+        seqs = await run_in_threadpool(self.choices, seq, body, True, opts.thinking, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
+        fmt = self.logprob_format if seq.logprobs is not None else None
 
-        def chunk(role=False, text=None, finish=None, usage=None) -> dict:
+        def chunk(i, role=False, event=None, finish=None, usage=None, logprobs=()) -> dict | None:
             out = {**base, "object": "chat.completion.chunk"}
             if usage is not None:
                 return {**out, "choices": [], "usage": usage}
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            return {**out, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            lp = fmt.chat(list(logprobs)) if fmt is not None and logprobs else None
+            delta = {"role": "assistant", "content": ""} if role else \
+                (chat_format.delta(event) if event is not None else {})
+            if delta is None:  # (a part with no delta of its own: a call's end)
+                if lp is None:
+                    return None
+                delta = {}
+            return {**out, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
-        def final(text: str, ev: Finish) -> dict:
-            return {**base, "object": "chat.completion", "usage": _usage(ev),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": ev.reason}]}
+        def final(results: list[tuple[list, Finish]]) -> dict:
+            return {**base, "object": "chat.completion", "usage": _usage([ev for _, ev in results]),
+                    "choices": [{"index": i, "message": chat_format.message(events),
+                                 "logprobs": fmt.chat(ev.logprobs) if fmt is not None else None,
+                                 "finish_reason": ev.reason} for i, (events, ev) in enumerate(results)]}
 
-        return await self._run(request, seq, gen, chunk, final)
+        return await self._run(request, seqs, gen, chunk, final)
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
         require_model(body, self.model_id, "completion")
         gen = generation(body, self.limits)
+        reject_unsupported(body, CHAT_ONLY)
         prompt = completion_prompt(body, self.model.config.vocab_size)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self.tokenizer.encode, prompt)
         seq = self._prepare(ids, gen, chat=False, prediction=await self._prediction_ids(gen))
+        seqs = await run_in_threadpool(self.choices, seq, body, False)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_id,
                 "object": "text_completion", "system_fingerprint": None}
+        fmt = self.logprob_format if seq.logprobs is not None else None
+        sent = [0] * len(seqs)  # characters streamed per choice (the text_offset of the next chunk)
 
-        def chunk(role=False, text=None, finish=None, usage=None) -> dict:
+        def chunk(i, role=False, event=None, finish=None, usage=None, logprobs=()) -> dict:
             if usage is not None:
                 return {**base, "choices": [], "usage": usage}
-            return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            text = event.text if event is not None else ""
+            lp = fmt.completion(list(logprobs), sent[i]) if fmt is not None and logprobs else None
+            sent[i] += len(text)
+            return {**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
-        def final(text: str, ev: Finish) -> dict:
-            return {**base, "usage": _usage(ev),
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": ev.reason}]}
+        def final(results: list[tuple[list, Finish]]) -> dict:
+            return {**base, "usage": _usage([ev for _, ev in results]),
+                    "choices": [{"index": i, "text": "".join(p.text for p in pieces), "finish_reason": ev.reason,
+                                 "logprobs": fmt.completion(ev.logprobs) if fmt is not None else None}
+                                for i, (pieces, ev) in enumerate(results)]}
 
-        return await self._run(request, seq, gen, chunk, final)
+        return await self._run(request, seqs, gen, chunk, final)
 
     async def transcriptions(self, request: Request) -> Response:
         """OpenAI's ``/v1/audio/transcriptions`` (a multipart form), answered by the chat model
@@ -317,14 +386,16 @@ class Server:
         gen = Generation(max_tokens=None, stream=False, include_usage=False, sampling={"temperature": opts.temperature})
         seq = await self._chat_sequence(transcription_messages(clip, opts.language, opts.prompt), gen, param="file")
 
-        def final(text: str, ev: Finish) -> dict | Response:
+        def final(results: list[tuple[list, Finish]]) -> dict | Response:
+            [(pieces, ev)] = results
+            text = "".join(p.text for p in pieces)
             if opts.response_format == "text":
                 return PlainTextResponse(text)
             return {"text": text, "usage": {"type": "tokens", "input_tokens": ev.prompt_tokens,
                                             "output_tokens": ev.completion_tokens,
                                             "total_tokens": ev.prompt_tokens + ev.completion_tokens}}
 
-        return await self._run(request, seq, gen, dict, final)
+        return await self._run(request, [seq], gen, dict, final)
 
     # -- embeddings, models, health, metrics ----------------------------------------------
     async def embeddings(self, request: Request) -> Response:
@@ -414,12 +485,16 @@ class Server:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def _usage(ev: Finish) -> dict:
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
-            "completion_tokens_details": {"accepted_prediction_tokens": ev.accepted,
-                                          "rejected_prediction_tokens": ev.drafted - ev.accepted}}
+def _usage(evs: list[Finish]) -> dict:
+    """A request's usage: its prompt once (its choices share it), the completions of all its choices."""
+    first = evs[0]
+    done = sum(ev.completion_tokens for ev in evs)
+    accepted, drafted = sum(ev.accepted for ev in evs), sum(ev.drafted for ev in evs)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": done,
+            "total_tokens": first.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
 
 
 def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starlette:

@@ -111,9 +111,9 @@ class Generation:
     prediction: str | None = None  # OpenAI's Predicted Outputs: text the reply is expected to repeat
 
 
-UNSUPPORTED_GEN = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
-                   "logit_bias": ({},), "tools": ([],), "functions": ([],), "best_of": 1, "echo": False,
-                   "suffix": "", "response_format": ({"type": "text"},), "tool_choice": "none"}
+UNSUPPORTED_GEN = {"frequency_penalty": 0, "presence_penalty": 0,  # n, logprobs, response_format: server.constraints
+                   "logit_bias": ({},), "functions": ([],), "best_of": 1, "echo": False, "suffix": ""}
+CHAT_ONLY = {"tools": ([],), "tool_choice": "none"}  # (chat completions read them: server.chat_format)
 
 
 def generation(body: dict, limits: Limits) -> Generation:
@@ -195,7 +195,11 @@ def chat_messages(body: dict, limits: Limits) -> list[dict[str, Any]]:
         clips += sum(1 for p in content if p["type"] == "audio") if isinstance(content, list) else 0
         if clips > limits.max_audio:
             raise bad(f"at most {limits.max_audio} audio clips per request", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):  # (checked by chat.history)
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 

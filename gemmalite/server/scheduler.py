@@ -20,15 +20,26 @@ prompt and reply and of a predicted reply): its drafts join the batched step as 
 each computed as a one-token step would be, and the tokens kept are exactly plain decoding's
 (as in `generate_ids`); drafts stop where a step would exceed STEP_ROWS rows.
 
+A constrained sequence (``matcher``: a grammar's, see `runtime.constrain`) samples each row
+among the tokens its grammar allows: the masks of every constrained sequence of a step (one
+row per draft too) are computed in one llguidance batch call, with the GIL released, in a
+worker thread while the engine runs the step; its drafts are the tokens the grammar forces,
+else its prompt-lookup drafts cut where the grammar refuses them. An unconstrained sequence
+is sampled exactly as before. ``logprobs``: each token's `TokenLogprob` rides on the `Piece`
+that carries its text (those not yet sent, on the `Finish`).
+
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
-`Model.generate`) are applied here, so a stop string ends the sequence at once.
+`Model.generate`) are applied here, so a stop string ends the sequence at once. A sequence may
+bring its own reader of the tokens instead (``output``: a chat reply's `OutputParser`), whose
+events go to the sink as `Part`s (with the logprobs of the tokens since the last one).
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,7 +47,9 @@ import numpy as np
 
 from ..kernels.common import FEW_ROWS
 from ..runtime.engine import SoftTokens
-from ..runtime.generate import TextCutter, common_prefix, lookup_drafts
+from ..runtime.constrain import Matcher, fill_masks
+from ..runtime.generate import TextCutter, common_prefix, next_drafts
+from ..runtime.logprobs import TokenLogprob, token_logprob
 from ..runtime.sampling import Sampler, SamplingParams
 from .metrics import Metrics
 
@@ -57,17 +70,27 @@ class Overloaded(RuntimeError):
 @dataclass
 class Piece:
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last piece
+
+
+@dataclass
+class Part:
+    """An event of a sequence's own reader (``Sequence.output``: a chat reply's parts)."""
+
+    event: Any
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last piece or part
 
 
 @dataclass
 class Finish:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: str  # "stop" | "length" | "tool_calls" (a chat reply's reader says) | "cancelled" | "error"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
     drafted: int = 0  # prompt-lookup draft tokens run, and how many of them were kept
     accepted: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens no piece carried
 
 
 @dataclass(eq=False)
@@ -85,10 +108,13 @@ class Sequence:
     soft: SoftTokens | None = None  # rows of ``ids`` given as embeddings (pictures)
     lookup: int = 0  # prompt-lookup drafts per step (0: plain decoding; at most FEW_ROWS - 1 are used)
     prediction: list[int] = field(default_factory=list)  # a predicted reply's tokens: more text to draft from
+    matcher: Matcher | None = None  # a grammar's (constrained decoding); one per sequence
+    logprobs: int | None = None  # report each token's logprob and this many top ones (None: off)
+    output: Callable[[], Any] | None = None  # makes the reader of the tokens (default: `TextReader`)
     # filled in by the scheduler
     state: Any = None
     sampler: Sampler | None = None
-    cutter: TextCutter | None = None
+    reader: Any = None
     history: list[int] = field(default_factory=list)
     next_token: int = -1
     generated: int = 0
@@ -99,10 +125,31 @@ class Sequence:
     share: int = 0
     drafted: int = 0
     accepted: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def cancel(self) -> None:
         """Called from any thread; the scheduler frees the sequence at its next step."""
         self.cancelled = True
+
+
+class TextReader:
+    """The default reader of a sequence's tokens: text pieces cut at the stop strings. A reader
+    has ``push(token) -> events``, ``stopped`` and ``finish(reason) -> (events, reason)``."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.cutter = TextCutter(tokenizer, stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self.cutter.stopped
+
+    def push(self, token: int) -> list[Piece]:
+        text = self.cutter.push(token)
+        return [Piece(text)] if text else []
+
+    def finish(self, reason: str) -> tuple[list[Piece], str]:
+        text = "" if self.cutter.stopped else self.cutter.finish()
+        return ([Piece(text)] if text else []), reason
 
 
 class PrefixCache:
@@ -151,6 +198,7 @@ class Scheduler:
         self._start_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="gemmalite-scheduler", daemon=True)
         self._turn = 0  # the sequence whose drafts come first in the next step (they take turns)
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="gemmalite-masks")  # grammar masks beside the step
 
     # -- any thread -------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -170,6 +218,7 @@ class Scheduler:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._masker.shutdown(wait=False)
 
     def submit(self, seq: Sequence) -> None:
         self.start()
@@ -244,7 +293,7 @@ class Scheduler:
         soft = seq.soft
         seq.state, seq.cached = self.cache.take(soft.keyed(seq.ids) if soft is not None else seq.ids)
         seq.sampler = Sampler(seq.params)
-        seq.cutter = TextCutter(self.tokenizer, seq.stop_strings)
+        seq.reader = seq.output() if seq.output is not None else TextReader(self.tokenizer, seq.stop_strings)
         seq.history = list(seq.ids)
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
@@ -279,8 +328,8 @@ class Scheduler:
             best, share = None, seq.cached + SHARE_MIN - 1
             for other, tokens in donors:
                 n = common_prefix(tokens, seq.ids)
-                if n > share:
-                    best, share = other, n
+                if n > share or (n == len(seq.ids) == len(other.ids) > max(share, seq.cached)):  # the same prompt
+                    best, share = other, n  # (the choices of one request with n > 1: a prompt of any length)
             if best is not None:
                 seq.donor, seq.share = best, share
                 later.append(seq)
@@ -351,7 +400,8 @@ class Scheduler:
         self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)
         self.active.append(seq)
         seq.first_logits = logits
-        self._accept(seq, logits)
+        allowed = fill_masks([(seq.matcher, [])], logits.shape[0])[0][0] if seq.matcher is not None else None
+        self._accept(seq, logits, allowed=allowed)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.active if s.cancelled]:
@@ -360,14 +410,19 @@ class Scheduler:
     def _decode(self) -> None:
         batch = list(self.active)
         runs = self._runs(batch)
+        jobs = [(s.matcher, run[1:]) for s, run in zip(batch, runs) if s.matcher is not None]
+        vocab = self.engine.vocab_size if jobs else 0
+        masks = self._masker.submit(fill_masks, jobs, vocab) if jobs else None  # runs while the step does
         t0 = time.perf_counter()
         logits = self.engine.decode_batch([s.state for s in batch], runs)
         self.metrics.inc("gemmalite_decode_steps_total")
         self.metrics.inc("gemmalite_decode_step_sequences_total", len(batch))
         self.metrics.inc("gemmalite_decode_seconds_total", time.perf_counter() - t0)
+        mask_rows = iter(masks.result() if masks is not None else [])
         r = 0
         for seq, run in zip(batch, runs):
-            self._accept_run(seq, logits[r : r + len(run)], run[1:])
+            allowed = next(mask_rows) if seq.matcher is not None else None
+            self._accept_run(seq, logits[r : r + len(run)], run[1:], allowed)
             r += len(run)
 
     def _runs(self, batch: list[Sequence]) -> list[list[int]]:
@@ -380,23 +435,25 @@ class Scheduler:
         for i in range(len(batch)):
             b = (self._turn + i) % len(batch)
             seq = batch[b]
-            k = min(seq.lookup, FEW_ROWS - 1, room, seq.max_tokens - seq.generated - 1,
-                    seq.state.context - seq.state.length - 1)
-            if k > 0:
-                drafts = lookup_drafts(seq.history, k, source=seq.prediction)
+            k = min(FEW_ROWS - 1, room, seq.max_tokens - seq.generated - 1, seq.state.context - seq.state.length - 1)
+            if seq.matcher is None:
+                k = min(k, seq.lookup)
+            if k > 0:  # a grammar's forced tokens, or prompt-lookup drafts (those the grammar allows)
+                drafts = next_drafts(seq.history, seq.lookup, k, seq.matcher, source=seq.prediction)
                 runs[b] += drafts
                 room -= len(drafts)
         return runs
 
-    def _accept_run(self, seq: Sequence, rows: np.ndarray, drafts: list[int]) -> None:
+    def _accept_run(self, seq: Sequence, rows: np.ndarray, drafts: list[int], allowed: np.ndarray | None = None) -> None:
         """Sample ``seq``'s tokens from its rows of a step: the first, then each next one while the
         token sampled equals the draft that row was fed (plain decoding would have fed it the
-        same token); the KV entries of the rejected drafts are dropped."""
+        same token); the KV entries of the rejected drafts are dropped. ``allowed``: the grammar's
+        mask of each row (row i: after the first i drafts)."""
         kept = seq.state.length - len(drafts)  # the state's length with the first row's token only
         seq.drafted += len(drafts)
         self.metrics.inc("gemmalite_draft_tokens_total", len(drafts))
         for i, row in enumerate(rows):
-            if not self._accept(seq, row, kept + i):
+            if not self._accept(seq, row, kept + i, None if allowed is None else allowed[i]):
                 return
             if i == len(drafts) or seq.next_token != drafts[i]:
                 break
@@ -405,21 +462,24 @@ class Scheduler:
         if drafts and not seq.state.truncate(kept + i):
             raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
 
-    def _accept(self, seq: Sequence, logits: np.ndarray, length: int | None = None) -> bool:
+    def _accept(self, seq: Sequence, logits: np.ndarray, length: int | None = None,
+                allowed: np.ndarray | None = None) -> bool:
         """Sample the next token from ``logits``; emit its text or finish the sequence. ``length``:
         the tokens the state holds before this one (default all: no drafts after it). False when
-        the sequence is done."""
-        tok = seq.sampler(logits, seq.history)
+        the sequence is done. ``allowed``: the grammar's mask (a constrained sequence)."""
+        tok = seq.sampler(logits, seq.history, allowed)
         if tok in seq.stop_ids:
             self._finish(seq, "stop")
             return False
+        if seq.matcher is not None:
+            seq.matcher.consume(tok)
+        if seq.logprobs is not None:
+            seq.pending_logprobs.append(token_logprob(logits, tok, seq.logprobs))
         seq.generated += 1
         self.metrics.inc("gemmalite_completion_tokens_total")
         seq.history.append(tok)
-        text = seq.cutter.push(tok)
-        if text:
-            self._emit(seq, Piece(text))
-        if seq.cutter.stopped:
+        self._emit_all(seq, seq.reader.push(tok))
+        if seq.reader.stopped or (seq.matcher is not None and seq.matcher.stopped):
             self._finish(seq, "stop")
         elif seq.generated >= seq.max_tokens or (seq.state.length if length is None else length) >= seq.state.context:
             self._finish(seq, "length")
@@ -427,6 +487,18 @@ class Scheduler:
             seq.next_token = tok
             return True
         return False
+
+    @staticmethod
+    def _take_logprobs(seq: Sequence) -> list[TokenLogprob]:
+        out, seq.pending_logprobs = seq.pending_logprobs, []
+        return out
+
+    def _emit_all(self, seq: Sequence, events: list) -> None:
+        """A reader's events: `Piece`s as they are, other events as `Part`s; the first carries the
+        logprobs of the tokens since the last event."""
+        for k, ev in enumerate(events):
+            lps = self._take_logprobs(seq) if k == 0 else []
+            self._emit(seq, Piece(ev.text, lps) if isinstance(ev, Piece) else Part(ev, lps))
 
     def _emit(self, seq: Sequence, event: Any) -> None:
         try:
@@ -437,12 +509,12 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq in self.active:
             self.active.remove(seq)
-        if reason in ("stop", "length") and seq.cutter is not None and not seq.cutter.stopped:
-            tail = seq.cutter.finish()
-            if tail:
-                self._emit(seq, Piece(tail))
+        if reason in ("stop", "length") and seq.reader is not None:
+            events, reason = seq.reader.finish(reason)
+            self._emit_all(seq, events)
         if reason != "error":  # a failed step may have left the state half written
             self.cache.put(seq.state)
         seq.state = seq.first_logits = None
         self.metrics.inc("gemmalite_finished_total", labels={"reason": reason})
-        self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error, seq.drafted, seq.accepted))
+        self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error, seq.drafted, seq.accepted,
+                               self._take_logprobs(seq)))

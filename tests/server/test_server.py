@@ -204,7 +204,7 @@ BAD = [  # (path, body, status)
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400),
-    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "n": 9}, 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400),
@@ -214,7 +214,7 @@ BAD = [  # (path, body, status)
     ("/v1/completions", {"model": MODEL_ID, "prompt": ["a", "b"]}, 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": 42}, 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 255}, 400),  # context 256
-    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "logprobs": 3}, 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "logprobs": 21}, 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prompt_lookup": -1}, 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prompt_lookup": "yes"}, 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "prediction": "text"}, 400),

@@ -1,0 +1,86 @@
+"""The sampler against transformers on the same random checkpoint: over many seeded draws, the
+token frequencies with a fixed temperature / top-k / top-p / min-p (and a grammar-like mask,
+and a repetition penalty) follow transformers' processed distribution (its own logits
+processors on its own logits; a chi-square test), and the repetition penalty's processed
+logits equal its processor's."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import hf_oracle as H
+from conftest import random_ids
+from gemmalite.runtime.sampling import Sampler, SamplingParams, penalized
+
+VOCAB = 512
+PROMPT = random_ids(10, VOCAB, seed=1) * 2  # repeated: the repetition penalty has a history to act on
+DRAWS = 6000
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, gl):
+    path = tmp_path_factory.mktemp("sampling")
+    H.make_gemma4_checkpoint(path, tokenizer=True, seed=4)
+    hf = H.load_hf(path)
+    model = gl.load(path)
+    with torch.no_grad():
+        hf_scores = hf(torch.tensor([PROMPT])).logits[:, -1].float()
+    return hf, hf_scores, model.logits(PROMPT)[-1]
+
+
+def _processed(hf, scores, allowed, **opts):
+    """transformers' distribution: its logits processors for these options on its logits (the
+    disallowed ones at -inf first, as a grammar's mask comes first here)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=True, top_k=opts.get("top_k") or 0, top_p=opts.get("top_p") or 1.0,
+                          min_p=opts.get("min_p"), temperature=opts["temperature"],
+                          repetition_penalty=opts.get("repetition_penalty") or 1.0)
+    procs = hf._get_logits_processor(generation_config=gc, input_ids_seq_length=len(PROMPT), device="cpu")
+    s = scores.clone()
+    if allowed is not None:
+        s[0, ~torch.from_numpy(allowed)] = -math.inf
+    out = procs(torch.tensor([PROMPT]), s)
+    return torch.softmax(out.double(), dim=-1)[0].numpy()
+
+
+def _chi2_critical(df: int, z: float = 3.29) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df) at the normal quantile z (p ~ 0.0005)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+OPTS = [dict(temperature=0.7), dict(temperature=1.3, top_k=20), dict(temperature=1.0, top_p=0.6),
+        dict(temperature=0.9, min_p=0.05), dict(temperature=1.1, top_k=40, top_p=0.9, min_p=0.02),
+        dict(temperature=1.0, top_k=30, repetition_penalty=1.5)]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("opts", OPTS)
+def test_frequencies_follow_transformers(pair, opts, masked):
+    hf, scores, logits = pair
+    allowed = np.random.default_rng(7).random(VOCAB) < 0.3 if masked else None
+    p = _processed(hf, scores, allowed, **opts)
+    sampler = Sampler(SamplingParams(seed=11, **opts))
+    counts = np.bincount([sampler(logits, PROMPT, allowed) for _ in range(DRAWS)], minlength=VOCAB)
+    assert counts[p == 0].sum() == 0, "drew a token transformers' processors remove"
+    expected = DRAWS * p
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    assert df >= 1 and stat < _chi2_critical(df), (stat, df)
+
+
+def test_repetition_penalty_logits_equal_transformers(pair):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    _, scores, _ = pair
+    for penalty in (1.3, 0.7):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT]), scores.clone())[0].numpy()
+        got = penalized(scores[0].numpy().copy(), PROMPT, penalty)
+        assert np.array_equal(got, want)
