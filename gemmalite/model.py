@@ -17,6 +17,7 @@ from .errors import ConfigError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
 from .runtime.cache import KVState
+from .runtime.drafting import Drafter
 from .runtime.engine import Engine, SoftTokens
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, prompt_lookup_drafts, stop_sets,
@@ -28,8 +29,9 @@ from .vision.prompt import Vision, message_images
 
 class Model:
     def __init__(self, cfg: ModelConfig, engine: Engine, tokenizer: Tokenizer | None, defaults: GenerationDefaults,
-                 source: str = "", vision: Vision | None = None):
+                 source: str = "", vision: Vision | None = None, drafter: Drafter | None = None):
         self.config = cfg
+        self.drafter = drafter  # an MTP drafter (`load(..., drafter=)`): every generation drafts with it
         self.vision = vision  # the vision tower, when the checkpoint has one (images in prompts)
         self.engine = engine
         self._tokenizer = tokenizer
@@ -102,7 +104,7 @@ class Model:
     def _token_stream(self, state: KVState, arr: np.ndarray, soft: SoftTokens | None, *, max_new_tokens: int,
                       params: SamplingParams, stop_ids: set[int], stats: GenerationStats, drafts: int = 0):
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
-                            stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts)
+                            stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts, drafter=self.drafter)
 
     def generate_tokens(self, ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None,
                         top_k=None, top_p=None, min_p=None, repetition_penalty=None, seed=None, stop=None,

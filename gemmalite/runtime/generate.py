@@ -14,6 +14,7 @@ from ..kernels import common
 from ..tokenizer import Tokenizer
 from . import inputs
 from .cache import KVState
+from .drafting import DraftPolicy, Drafter
 from .engine import Engine, SoftTokens
 from .sampling import Sampler, SamplingParams
 
@@ -115,7 +116,8 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
-                 prompt_lookup: int = 0) -> Iterator[int]:
+                 prompt_lookup: int = 0, drafter: Drafter | None = None,
+                 policy: DraftPolicy | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
     prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
     ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
@@ -127,7 +129,12 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     what it picks. Each kept row saw exactly the tokens plain decoding would have fed it, and
     `Engine.decode_rows` computes each row bit for bit as a one-token step, so the tokens (and a
     seeded sampler's draws) are those of plain decoding; the KV entries of rejected drafts are
-    rolled back (`KVState.truncate`)."""
+    rolled back (`KVState.truncate`).
+
+    ``drafter`` (an MTP drafter, `runtime.drafting.Drafter`): where prompt lookup finds no
+    drafts, the drafter's are verified the same way, as many as `DraftPolicy` finds pay under
+    the acceptance and step costs measured in this call (none, with a rare probe, where they
+    do not; ``policy``: another `DraftPolicy`)."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
     reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
@@ -140,9 +147,13 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    rows = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))
+    hidden = engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None)
+    rows = engine.logits(hidden)
     stats.prefill_s = time.perf_counter() - t0
     drafts: list[int] = []
+    policy = (policy or DraftPolicy()) if drafter is not None else None
+    step_s = draft_s = 0.0
+    modeled = False  # whether the last step's drafts were the drafter's
     while True:
         for i, logits in enumerate(rows):
             _check_finite(logits, stats.new_tokens)
@@ -161,16 +172,25 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
             stats.accepted_tokens += 1
         if len(rows) > 1 and not state.truncate(state.length - len(drafts) + i):  # drop the rejected drafts
             raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
-        room = min(prompt_lookup, common.FEW_ROWS - 1, engine.context - state.length - 1,
-                   max_new_tokens - stats.new_tokens - 1)
-        drafts = lookup_drafts(history, room) if room > 0 else []
+        if modeled:
+            policy.update(len(drafts), i, step_s, draft_s)
+        room = min(common.FEW_ROWS - 1, engine.context - state.length - 1, max_new_tokens - stats.new_tokens - 1)
+        drafts = lookup_drafts(history, min(room, prompt_lookup)) if room > 0 and prompt_lookup else []
+        modeled, draft_s = policy is not None and not drafts, 0.0
+        if modeled and room > 0 and (k := policy.choose(room)):
+            t0 = time.perf_counter()
+            drafts = drafter.draft(state, tok, hidden[i], k)[:room]
+            draft_s = time.perf_counter() - t0
         stats.draft_tokens += len(drafts)
         t0 = time.perf_counter()
-        if drafts:
+        if drafter is not None:
+            rows, hidden = engine.decode_hidden([state], [[tok, *drafts]])
+        elif drafts:
             rows = engine.decode_rows(state, [tok, *drafts])
         else:
             rows = engine.decode_step(state, tok)[None]
-        stats.decode_s += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        stats.decode_s += step_s + draft_s
 
 
 def prompt_lookup_drafts(v) -> int:
