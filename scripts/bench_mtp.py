@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9, help="repeats of each micro-measurement")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rates", default="0,0.35,0.5,0.7,0.8", help="replayed acceptance rates, comma-separated")
     a = ap.parse_args()
 
     model = gemmalite.load(a.target, quant=a.quant, context=1024, drafter=a.drafter, threads=a.threads)
@@ -103,7 +104,7 @@ def main() -> None:
 
     plain, _ = run(None)
     truth = prompt.tolist() + plain
-    rates = (0.0, 0.35, 0.5, 0.7, 0.8)
+    rates = tuple(float(r) for r in a.rates.split(","))
     tok_s: dict = {"plain": []}
     kept: dict = {}
     for rnd in range(a.rounds):

@@ -25,19 +25,21 @@ class DraftPolicy:
     """Drafts for the next step: the count that maximises expected tokens per second under the
     acceptance and costs measured so far (a step's time by its rows, the drafter's per token),
     none where no count pays -- then one draft now and then (ever more rarely while it fails) to
-    notice when acceptance comes back. One per generation: its measurements are its own."""
+    notice when acceptance comes back. The first step is plain, so that every cost is judged
+    against a measured one-row step. One per generation: its measurements are its own."""
 
     PRIOR_ROWS = (1.0, 1.08, 1.16, 1.24)  # a step of 1..4 rows against one row, until measured
     PRIOR_DRAFT = 0.02  # a drafted token against a one-row step, until measured
-    MAX_GAP = 64  # steps between probes at the most
+    FIRST_GAP, MAX_GAP = 8, 256  # steps between probes: at first, and at the most
 
-    def __init__(self, max_drafts: int = common.FEW_ROWS - 1, decay: float = 0.9):
+    def __init__(self, max_drafts: int = common.FEW_ROWS - 1, decay: float = 0.9, timed: bool = True):
         self.max_drafts = max_drafts
+        self.timed = timed  # False: no step times come (the server's batched steps), the priors stand
         self.decay = decay
         self.accepted, self.tried = 1.0, 2.0  # prior acceptance 0.5, worth two drafts
         self.step_s: dict[int, float] = {}  # rows -> EMA seconds of a step
         self.draft_s: float | None = None  # EMA seconds per drafted token
-        self.wait, self.gap = 0, 4
+        self.wait, self.gap = 0, self.FIRST_GAP
 
     @property
     def acceptance(self) -> float:
@@ -57,6 +59,8 @@ class DraftPolicy:
 
     def choose(self, room: int) -> int:
         """Drafts for the next step, at most ``room``."""
+        if self.timed and 1 not in self.step_s:
+            return 0
         a = min(self.acceptance, 0.99)
         best, best_k = 1.0 / self.cost(0), 0
         for k in range(1, min(room, self.max_drafts) + 1):
@@ -85,7 +89,7 @@ class DraftPolicy:
         self.accepted = self.decay * self.accepted + kept
         self.tried = self.decay * self.tried + kept + (kept < drafts)
         if kept:
-            self.gap = 4
+            self.gap = self.FIRST_GAP
 
 
 class ReplayDrafter:

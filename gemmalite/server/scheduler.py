@@ -255,7 +255,7 @@ class Scheduler:
         seq.sampler = Sampler(seq.params)
         seq.cutter = TextCutter(self.tokenizer, seq.stop_strings)
         seq.history = list(seq.ids)
-        seq.policy = DraftPolicy() if self.drafter is not None else None
+        seq.policy = DraftPolicy(timed=False) if self.drafter is not None else None
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
             return False
