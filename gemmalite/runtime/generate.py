@@ -183,8 +183,11 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
             draft_s = time.perf_counter() - t0
         stats.draft_tokens += len(drafts)
         t0 = time.perf_counter()
-        if drafter is not None:
+        if drafter is not None and drafts:
             rows, hidden = engine.decode_hidden([state], [[tok, *drafts]])
+        elif drafter is not None:  # exactly `decode_step`, keeping the hidden state
+            hidden = engine.forward(state, np.array([tok], dtype=np.int64))
+            rows = engine.logits(hidden)
         elif drafts:
             rows = engine.decode_rows(state, [tok, *drafts])
         else:
