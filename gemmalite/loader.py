@@ -10,11 +10,12 @@ import numpy as np
 
 from .audio.prompt import folder_audio
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
-from .formats.folder import load_folder, read_json, read_tensors
+from .formats.folder import load_folder, read_config, read_json, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .model import Model
+from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
 from .models.gemma.build import QUANT_KINDS, build_weights
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
@@ -44,13 +45,16 @@ def resolve(path: str | Path) -> Path:
 
 
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
-         threads: int | None = None) -> Model:
+         threads: int | None = None, drafter: str | Path | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
     ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
-    capped to the same number process-wide)."""
+    capped to the same number process-wide); ``drafter``: a ``gemma4_assistant`` folder (MTP
+    speculative decoding: the same text, fewer target steps where its drafts are kept)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a str or a path, got {type(path).__name__}")
+    if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
+        raise InputError(f"drafter must be a str or a path, got {type(drafter).__name__}")
     if quant not in QUANT_KINDS:
         raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
     if context is not None:
@@ -83,8 +87,27 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
                     context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0, threads=threads)
+    mtp = load_drafter(drafter, engine, cfg, quant) if drafter is not None else None
     limit_blas_threads(threads)
-    return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision, audio=audio)
+    return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision, audio=audio, drafter=mtp)
+
+
+def load_drafter(path: str | Path, engine: Engine, target: ModelConfig, quant: str | None = None) -> MTPDrafter:
+    """A ``gemma4_assistant`` folder bound to a loaded target (`ConfigError` / `CheckpointError`
+    where it does not fit it)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: the drafter must be a gemma4_assistant checkpoint folder")
+    raw = read_config(p)
+    try:
+        cfg = AssistantConfig.from_hf(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"{p / 'config.json'}: {e}") from None
+    assistant = Assistant(cfg, read_tensors(p, raw), quant, str(p))
+    try:
+        return MTPDrafter(assistant, engine, target)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
 
 
 def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision | None:

@@ -23,6 +23,7 @@ from .models.gemma.config import ModelConfig
 from .runtime import inputs
 from .runtime.cache import KVState
 from .runtime.constrain import Grammar, constraint
+from .runtime.drafting import Drafter
 from .runtime.engine import Engine, SoftTokens, place_blocks
 from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, GenerationStats, Stream,
                                cut_tokens_at_strings, fit_prompt, generate_ids, prompt_lookup_drafts, stop_sets,
@@ -35,8 +36,10 @@ from .vision.prompt import Vision, message_images
 
 class Model:
     def __init__(self, cfg: ModelConfig, engine: Engine, tokenizer: Tokenizer | None, defaults: GenerationDefaults,
-                 source: str = "", vision: Vision | None = None, audio: Audio | None = None):
+                 source: str = "", vision: Vision | None = None, audio: Audio | None = None,
+                 drafter: Drafter | None = None):
         self.config = cfg
+        self.drafter = drafter  # an MTP drafter (`load(..., drafter=)`): every generation drafts with it
         self.vision = vision  # the vision tower, when the checkpoint has one (images in prompts)
         self.audio = audio  # the audio tower, when the checkpoint has one (clips in prompts)
         self.engine = engine
@@ -127,7 +130,7 @@ class Model:
         matcher = grammar.matcher(stop_ids) if grammar is not None else None
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
                             stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts, matcher=matcher,
-                            logprobs=logprobs)
+                            logprobs=logprobs, drafter=self.drafter)
 
     def constraint(self, json_schema=None, regex=None, grammar=None) -> Grammar | None:
         """The compiled `Grammar` of a call's ``json_schema`` / ``regex`` / ``grammar`` options

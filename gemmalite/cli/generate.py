@@ -41,6 +41,8 @@ def load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder, .gguf file, or gemma3-270m (the bundled demo model)")
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
+    p.add_argument("--drafter", default=None,
+                   help="gemma4_assistant folder: MTP speculative decoding (the same text, fewer target steps)")
     threads_arg(p)
 
 
@@ -53,7 +55,7 @@ def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def load_model(a: argparse.Namespace):
     import gemmalite
 
-    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads)
+    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads, drafter=a.drafter)
 
 
 def stream_out(pieces) -> tuple[str, bool]:

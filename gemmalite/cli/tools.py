@@ -18,6 +18,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 def cmd_synth(a: argparse.Namespace) -> int:
     if a.preset.startswith("eg2"):  # EmbeddingGemma 2 encoders
         from ..tools.synth_eg2 import synth_eg2 as synth
+    elif a.preset.endswith("-assistant"):  # MTP drafters
+        from ..tools.synth import synth_assistant as synth
     else:
         from ..tools.synth import synth
 
@@ -77,8 +79,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint of a real shape")
-    p.add_argument("--preset", choices=["tiny", "e2b", "e4b", "eg2", "eg2-tiny"], required=True,
-                   help="Gemma 4 decoders (tiny, e2b, e4b) or EmbeddingGemma 2 encoders (eg2, eg2-tiny)")
+    p.add_argument("--preset", choices=["tiny", "e2b", "e4b", "e2b-assistant", "e4b-assistant", "eg2", "eg2-tiny"],
+                   required=True, help="Gemma 4 decoders (tiny, e2b, e4b), their MTP drafters (e2b-assistant, "
+                                       "e4b-assistant) or EmbeddingGemma 2 encoders (eg2, eg2-tiny)")
     p.add_argument("out")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, checkpoint folder or GGUF vocabulary")
     p.add_argument("--layout", choices=["conditional", "causal"], default="conditional",

@@ -236,6 +236,11 @@ class Engine:
         drafts, at most FEW_ROWS). Returns logits ``[R, vocab]``, one row per token in order:
         a single token's row is exactly ``decode_step(states[b], tokens[b])``'s, a list's rows
         exactly ``decode_rows(states[b], tokens[b])``'s."""
+        return self.decode_hidden(states, tokens)[0]
+
+    def decode_hidden(self, states: list[KVState], tokens) -> tuple[np.ndarray, np.ndarray]:
+        """`decode_batch`, also returning each row's final-normed hidden state ``[R, H]`` (what an
+        MTP drafter continues from)."""
         runs = [np.asarray(t, dtype=np.int64).reshape(-1) for t in tokens]
         ids = np.concatenate(runs) if runs else np.zeros(0, np.int64)
         with compute(self.threads):
@@ -245,4 +250,4 @@ class Engine:
             logits = softcap(self.lm_head.matmul_each(h), self.softcap)
         for state, r in zip(states, runs):
             state.tokens.extend(int(i) for i in r)
-        return logits
+        return logits, h

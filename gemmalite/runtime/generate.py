@@ -15,6 +15,7 @@ from ..tokenizer import Tokenizer
 from . import inputs
 from .cache import KVState
 from .constrain import Matcher
+from .drafting import DraftPolicy, Drafter
 from .engine import Engine, SoftTokens
 from .logprobs import TokenLogprob, token_logprob
 from .sampling import Sampler, SamplingParams
@@ -118,7 +119,8 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
-                 prompt_lookup: int = 0, matcher: Matcher | None = None, logprobs: int | None = None) -> Iterator[int]:
+                 prompt_lookup: int = 0, matcher: Matcher | None = None, logprobs: int | None = None,
+                 drafter: Drafter | None = None, policy: DraftPolicy | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
     prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
     ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
@@ -136,7 +138,12 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     grammar allows after the tokens before it; drafts are cut where the grammar refuses them, and
     the tokens the grammar forces are drafted (they are kept like any draft: when sampled). The
     reply ends ("stop") once the grammar is complete; ``max_new_tokens`` cuts it ("length").
-    ``logprobs`` (top count >= 0): ``stats.logprobs`` gets each new token's `TokenLogprob`."""
+    ``logprobs`` (top count >= 0): ``stats.logprobs`` gets each new token's `TokenLogprob`.
+
+    ``drafter`` (an MTP drafter, `runtime.drafting.Drafter`): where prompt lookup finds no
+    drafts, the drafter's are verified the same way, as many as `DraftPolicy` finds pay under
+    the acceptance and step costs measured in this call (none, with a rare probe, where they
+    do not; ``policy``: another `DraftPolicy`)."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
     reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
@@ -149,11 +156,15 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    rows = engine.logits(engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None))
+    hidden = engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None)
+    rows = engine.logits(hidden)
     stats.prefill_s = time.perf_counter() - t0
     if logprobs is not None:
         stats.logprobs = []
     drafts: list[int] = []
+    policy = (policy or DraftPolicy()) if drafter is not None else None
+    step_s = draft_s = 0.0
+    modeled = False  # whether the last step's drafts were the drafter's
     while True:
         masks = matcher.masks(drafts, rows.shape[1]) if matcher is not None else None
         for i, logits in enumerate(rows):
@@ -180,15 +191,30 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
             stats.accepted_tokens += 1
         if len(rows) > 1 and not state.truncate(state.length - len(drafts) + i):  # drop the rejected drafts
             raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
-        drafts = next_drafts(history, prompt_lookup, min(engine.context - state.length - 1,
-                                                         max_new_tokens - stats.new_tokens - 1), matcher)
+        if modeled:
+            policy.update(len(drafts), i, step_s, draft_s)
+        room = min(common.FEW_ROWS - 1, engine.context - state.length - 1, max_new_tokens - stats.new_tokens - 1)
+        drafts = next_drafts(history, prompt_lookup, room, matcher)
+        modeled, draft_s = policy is not None and not drafts, 0.0
+        if modeled and room > 0 and (k := policy.choose(room)):
+            t0 = time.perf_counter()
+            drafts = drafter.draft(state, tok, hidden[i], k)[:room]
+            if matcher is not None and drafts:  # the grammar cuts the drafter's drafts as it cuts lookup's
+                drafts = drafts[: matcher.valid_prefix(drafts)]
+            draft_s = time.perf_counter() - t0
         stats.draft_tokens += len(drafts)
         t0 = time.perf_counter()
-        if drafts:
+        if drafter is not None and drafts:
+            rows, hidden = engine.decode_hidden([state], [[tok, *drafts]])
+        elif drafter is not None:  # exactly `decode_step`, keeping the hidden state
+            hidden = engine.forward(state, np.array([tok], dtype=np.int64))
+            rows = engine.logits(hidden)
+        elif drafts:
             rows = engine.decode_rows(state, [tok, *drafts])
         else:
             rows = engine.decode_step(state, tok)[None]
-        stats.decode_s += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        stats.decode_s += step_s + draft_s
 
 
 def next_drafts(history: list[int], lookup: int, room: int, matcher: Matcher | None = None,

@@ -66,7 +66,8 @@ class Server:
         self.prompt_lookup = prompt_lookup_drafts(prompt_lookup)  # for requests that do not say (0: plain decoding)
         self.metrics = Metrics()
         self.scheduler = Scheduler(model.engine, self.tokenizer, max_concurrency=max_concurrency,
-                                   max_queue=max_queue, prefix_cache=prefix_cache, metrics=self.metrics)
+                                   max_queue=max_queue, prefix_cache=prefix_cache, metrics=self.metrics,
+                                   drafter=getattr(model, "drafter", None))
         self.metrics.gauge("gemmalite_active_sequences", lambda: len(self.scheduler.active))
         self.metrics.gauge("gemmalite_queue_depth", lambda: self.scheduler.queue_depth)
         self.logprob_format = LogprobFormat(self.tokenizer)

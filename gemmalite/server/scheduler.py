@@ -18,7 +18,10 @@ more arrive (`_gather`), so that clients who start together start in one prefill
 A sequence may decode by prompt lookup (``lookup`` drafts per step, from the n-grams of its
 prompt and reply and of a predicted reply): its drafts join the batched step as extra rows,
 each computed as a one-token step would be, and the tokens kept are exactly plain decoding's
-(as in `generate_ids`); drafts stop where a step would exceed STEP_ROWS rows.
+(as in `generate_ids`); drafts stop where a step would exceed STEP_ROWS rows. With an MTP
+``drafter`` (`serve --drafter`), a sequence whose prompt lookup finds nothing drafts with it
+instead, as many as its own `DraftPolicy` finds pay at the acceptance it has measured (the
+step costs stay the policy's priors: a batched step's time is not one sequence's).
 
 A constrained sequence (``matcher``: a grammar's, see `runtime.constrain`) samples each row
 among the tokens its grammar allows: the masks of every constrained sequence of a step (one
@@ -46,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..kernels.common import FEW_ROWS
+from ..runtime.drafting import DraftPolicy
 from ..runtime.engine import SoftTokens
 from ..runtime.constrain import Matcher, fill_masks
 from ..runtime.generate import TextCutter, common_prefix, next_drafts
@@ -126,6 +130,10 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    hidden: np.ndarray | None = None  # the final hidden state of the row ``next_token`` came from (MTP drafts)
+    first_hidden: np.ndarray | None = None
+    policy: DraftPolicy | None = None  # MTP drafts per step (with a drafter)
+    modeled: bool = False  # whether the drafts of the step under way are the drafter's
 
     def cancel(self) -> None:
         """Called from any thread; the scheduler frees the sequence at its next step."""
@@ -185,8 +193,9 @@ class Scheduler:
     """Owns ``engine`` on its own thread. ``submit`` enqueues (raises `Overloaded` when full)."""
 
     def __init__(self, engine, tokenizer, *, max_concurrency: int = 8, max_queue: int = 64,
-                 prefix_cache: int = 4, metrics: Metrics | None = None):
+                 prefix_cache: int = 4, metrics: Metrics | None = None, drafter=None):
         self.engine = engine
+        self.drafter = drafter  # an MTP drafter (`runtime.drafting.Drafter`) or None
         self.tokenizer = tokenizer
         self.max_concurrency = max(1, max_concurrency)
         self.waiting: queue.Queue[Sequence] = queue.Queue(maxsize=max(1, max_queue))
@@ -295,6 +304,7 @@ class Scheduler:
         seq.sampler = Sampler(seq.params)
         seq.reader = seq.output() if seq.output is not None else TextReader(self.tokenizer, seq.stop_strings)
         seq.history = list(seq.ids)
+        seq.policy = DraftPolicy(timed=False) if self.drafter is not None else None
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
             return False
@@ -354,7 +364,7 @@ class Scheduler:
         self.cache.put(seq.state)
         seq.state, seq.cached = state, state.length
         if same:
-            self._started(seq, donor.first_logits)
+            self._started(seq, donor.first_logits, donor.first_hidden)
             return False
         return True
 
@@ -372,9 +382,9 @@ class Scheduler:
                 for seq in together:
                     self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
             else:
-                for seq, row in zip(together, logits):
+                for seq, row, hrow in zip(together, logits, h):
                     try:
-                        self._started(seq, row)
+                        self._started(seq, row, hrow)
                     except Exception as e:
                         self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
         else:
@@ -385,7 +395,7 @@ class Scheduler:
             try:
                 soft = seq.soft
                 h = self.engine.prefill(seq.state, self._new_ids(seq), soft.after(seq.cached) if soft is not None else None)
-                self._started(seq, self.engine.logits(h)[0])
+                self._started(seq, self.engine.logits(h)[0], h[0])
             except Exception as e:  # a request the engine refuses must not stop the others
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
 
@@ -393,13 +403,14 @@ class Scheduler:
     def _new_ids(seq: Sequence) -> np.ndarray:
         return np.asarray(seq.ids[seq.cached:], dtype=np.int64)
 
-    def _started(self, seq: Sequence, logits: np.ndarray) -> None:
+    def _started(self, seq: Sequence, logits: np.ndarray, hidden: np.ndarray | None = None) -> None:
         """``seq``'s prompt is in its state: count it, let it join the batch, sample its first token."""
         self.metrics.observe("gemmalite_time_to_first_token_seconds", time.perf_counter() - seq.submitted)
         self.metrics.inc("gemmalite_prompt_tokens_total", len(seq.ids))
         self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)
         self.active.append(seq)
-        seq.first_logits = logits
+        seq.first_logits, seq.first_hidden = logits, hidden
+        seq.hidden = hidden
         allowed = fill_masks([(seq.matcher, [])], logits.shape[0])[0][0] if seq.matcher is not None else None
         self._accept(seq, logits, allowed=allowed)
 
@@ -414,7 +425,10 @@ class Scheduler:
         vocab = self.engine.vocab_size if jobs else 0
         masks = self._masker.submit(fill_masks, jobs, vocab) if jobs else None  # runs while the step does
         t0 = time.perf_counter()
-        logits = self.engine.decode_batch([s.state for s in batch], runs)
+        if self.drafter is not None:
+            logits, hidden = self.engine.decode_hidden([s.state for s in batch], runs)
+        else:
+            logits, hidden = self.engine.decode_batch([s.state for s in batch], runs), None
         self.metrics.inc("gemmalite_decode_steps_total")
         self.metrics.inc("gemmalite_decode_step_sequences_total", len(batch))
         self.metrics.inc("gemmalite_decode_seconds_total", time.perf_counter() - t0)
@@ -422,7 +436,8 @@ class Scheduler:
         r = 0
         for seq, run in zip(batch, runs):
             allowed = next(mask_rows) if seq.matcher is not None else None
-            self._accept_run(seq, logits[r : r + len(run)], run[1:], allowed)
+            self._accept_run(seq, logits[r : r + len(run)], run[1:], allowed,
+                             None if hidden is None else hidden[r : r + len(run)])
             r += len(run)
 
     def _runs(self, batch: list[Sequence]) -> list[list[int]]:
@@ -436,19 +451,24 @@ class Scheduler:
             b = (self._turn + i) % len(batch)
             seq = batch[b]
             k = min(FEW_ROWS - 1, room, seq.max_tokens - seq.generated - 1, seq.state.context - seq.state.length - 1)
-            if seq.matcher is None:
-                k = min(k, seq.lookup)
-            if k > 0:  # a grammar's forced tokens, or prompt-lookup drafts (those the grammar allows)
-                drafts = next_drafts(seq.history, seq.lookup, k, seq.matcher, source=seq.prediction)
-                runs[b] += drafts
-                room -= len(drafts)
+            # a grammar's forced tokens, or prompt-lookup drafts (those the grammar allows); else the drafter's
+            drafts = next_drafts(seq.history, seq.lookup, k, seq.matcher, source=seq.prediction) if k > 0 else []
+            seq.modeled = seq.policy is not None and not drafts
+            if seq.modeled and k > 0 and (n := seq.policy.choose(k)):
+                drafts = self.drafter.draft(seq.state, seq.next_token, seq.hidden, n)[:k]
+                if seq.matcher is not None and drafts:
+                    drafts = drafts[: seq.matcher.valid_prefix(drafts)]
+            runs[b] += drafts
+            room -= len(drafts)
         return runs
 
-    def _accept_run(self, seq: Sequence, rows: np.ndarray, drafts: list[int], allowed: np.ndarray | None = None) -> None:
+    def _accept_run(self, seq: Sequence, rows: np.ndarray, drafts: list[int], allowed: np.ndarray | None = None,
+                    hidden: np.ndarray | None = None) -> None:
         """Sample ``seq``'s tokens from its rows of a step: the first, then each next one while the
         token sampled equals the draft that row was fed (plain decoding would have fed it the
         same token); the KV entries of the rejected drafts are dropped. ``allowed``: the grammar's
-        mask of each row (row i: after the first i drafts)."""
+        mask of each row (row i: after the first i drafts); ``hidden``: the rows' final hidden states
+        (a drafter's next input)."""
         kept = seq.state.length - len(drafts)  # the state's length with the first row's token only
         seq.drafted += len(drafts)
         self.metrics.inc("gemmalite_draft_tokens_total", len(drafts))
@@ -459,6 +479,10 @@ class Scheduler:
                 break
             seq.accepted += 1
             self.metrics.inc("gemmalite_accepted_draft_tokens_total")
+        if hidden is not None:
+            seq.hidden = hidden[i]
+        if seq.modeled:
+            seq.policy.update(len(drafts), i)
         if drafts and not seq.state.truncate(kept + i):
             raise RuntimeError("KV cache could not roll back a prompt-lookup step")  # SPARE_SLOTS too small
 

@@ -186,10 +186,13 @@ def _tensor_bytes(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
 def write_random_checkpoint(out: str | Path, shapes: dict[str, tuple[int, ...]], config: dict, *,
                             tokenizer: str | Path | None = None, seed: int = 0, progress: bool = True,
                             force: bool = False, extra_json: dict[str, dict] | None = None,
-                            finish: Callable[[Path], None] | None = None) -> Path:
-    """The one synth writer: random bfloat16 ``shapes``, ``config.json``, tokenizer files, then
-    ``extra_json`` (file name -> content) and ``finish(folder)``. An existing, non-empty ``out``
-    is an error unless ``force`` (then it is replaced)."""
+                            finish: Callable[[Path], None] | None = None,
+                            fixed: dict[str, np.ndarray] | None = None) -> Path:
+    """The one synth writer: random bfloat16 ``shapes`` (and the ``fixed`` tensors as given),
+    ``config.json``, tokenizer files, then ``extra_json`` (file name -> content) and
+    ``finish(folder)``. An existing, non-empty ``out`` is an error unless ``force`` (then it is
+    replaced)."""
+    fixed = fixed or {}
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not force:
@@ -200,8 +203,9 @@ def write_random_checkpoint(out: str | Path, shapes: dict[str, tuple[int, ...]],
             out.unlink()
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    write_safetensors(out, {k: (v, BF16) for k, v in shapes.items()},
-                      lambda name: _tensor_bytes(name, shapes[name], rng), shard_bytes=SHARD_BYTES, progress=progress)
+    specs = {k: (v, BF16) for k, v in shapes.items()} | {k: (a.shape, a.dtype) for k, a in fixed.items()}
+    write_safetensors(out, specs, lambda name: [fixed[name].tobytes()] if name in fixed else
+                      _tensor_bytes(name, shapes[name], rng), shard_bytes=SHARD_BYTES, progress=progress)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name, content in (extra_json or {}).items():
         (out / name).write_text(json.dumps(content, indent=2))
@@ -245,6 +249,39 @@ def synth(preset: str, out: str | Path, *, tokenizer: str | Path | None = None, 
     return write_random_checkpoint(out, shapes, config, tokenizer=tokenizer, seed=seed, progress=progress,
                                    force=force, extra_json=extra,
                                    finish=_add_multimodal_tokens if vision or audio else None)
+
+
+# The published MTP drafters (google/gemma-4-E2B-it-assistant, -E4B-: architecture map §8):
+# 4 Q-only layers [S, S, S, F] of width 256 over the target's head geometry, 2048 centroids, top 32.
+ASSISTANT_PRESETS = {"e2b-assistant": "e2b", "e4b-assistant": "e4b"}
+
+
+def assistant_config(preset: str) -> dict:
+    if preset not in ASSISTANT_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(ASSISTANT_PRESETS)}")
+    target = text_config(ASSISTANT_PRESETS[preset])
+    text = {**COMMON, "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 2048,
+            "num_attention_heads": 4, "num_key_value_heads": target["num_key_value_heads"], "head_dim": 256,
+            "global_head_dim": 512, "layer_types": [SLIDING] * 3 + [FULL], "sliding_window": 512,
+            "num_kv_shared_layers": 4, "use_double_wide_mlp": False, "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0, "final_logit_softcapping": None}
+    return {"model_type": "gemma4_assistant", "architectures": ["Gemma4AssistantForCausalLM"], "dtype": "bfloat16",
+            "text_config": text, "backbone_hidden_size": target["hidden_size"], "use_ordered_embeddings": True,
+            "num_centroids": 2048, "centroid_intermediate_top_k": 32, "tie_word_embeddings": True}
+
+
+def synth_assistant(preset: str, out: str | Path, *, seed: int = 0, progress: bool = True, force: bool = False,
+                    **_: object) -> Path:
+    """A random MTP drafter of a published shape (``e2b-assistant``, ``e4b-assistant``), with
+    ``token_ordering`` a random permutation of the vocabulary."""
+    from ..models.gemma.assistant import AssistantConfig
+
+    config = assistant_config(preset)
+    shapes = AssistantConfig.from_hf(config).expected_shapes()
+    order = shapes.pop("masked_embedding.token_ordering")
+    fixed = {"masked_embedding.token_ordering": np.random.default_rng(seed + 1).permutation(order[0]).astype(np.int64)}
+    return write_random_checkpoint(out, shapes, config, seed=seed, progress=progress, force=force, fixed=fixed,
+                                   extra_json={"generation_config.json": {"num_assistant_tokens": 4}})
 
 
 def _add_multimodal_tokens(folder: Path) -> None:
