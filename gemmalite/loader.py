@@ -42,16 +42,27 @@ def resolve(path: str | Path) -> Path:
     return target if target.exists() else pkg.assemble(target)
 
 
+BACKENDS = ("gemmalite", "onnxruntime")
+
+
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
-         threads: int | None = None) -> Model:
+         threads: int | None = None, backend: str = "gemmalite", providers: list | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
     ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
-    capped to the same number process-wide)."""
+    capped to the same number process-wide). ``backend="onnxruntime"`` runs the decoder graph
+    exported to ONNX (`gemmalite.backends.onnx`, the ``onnx`` extra) on ONNX Runtime's
+    ``providers`` (default CPU); the host side stays ours."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a str or a path, got {type(path).__name__}")
     if quant not in QUANT_KINDS:
         raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "onnxruntime" and quant is not None:
+        raise InputError("the onnxruntime backend runs the weights as stored: quant must be None")
+    if providers is not None and backend != "onnxruntime":
+        raise InputError("providers are for backend='onnxruntime'")
     if context is not None:
         inputs.integer(context, "context", 1)
     check_threads(threads)
@@ -77,11 +88,21 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     if tokenizer is not None:
         tokenizer.fallback_template = FALLBACK_TEMPLATES[cfg.family]
     w = build_weights(cfg, tensors, quant)
-    engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
+    ctx = resolve_context(context, cfg)
+    graph = _onnx_graph(w.graph, ctx, providers, threads) if backend == "onnxruntime" else w.graph
+    engine = Engine(graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
-                    context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0, threads=threads)
+                    context=ctx, pad_id=cfg.pad_token_id or 0, threads=threads)
     limit_blas_threads(threads)
     return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision)
+
+
+def _onnx_graph(graph, context: int, providers: list | None, threads: int | None):
+    try:
+        from .backends.onnx.ort import OrtGraph
+    except ImportError as e:
+        raise ConfigError(f"backend='onnxruntime' needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    return OrtGraph.export(graph, context, providers, threads)
 
 
 def _vision(folder: Path, raw: dict, quant: str | None) -> Vision | None:

@@ -41,7 +41,15 @@ def load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder, .gguf file, or gemma3-270m (the bundled demo model)")
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
+    backend_args(p)
     threads_arg(p)
+
+
+def backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["gemmalite", "onnxruntime"], default="gemmalite",
+                   help="who runs the decoder graph: our CPU kernels, or its ONNX export on ONNX Runtime")
+    p.add_argument("--provider", dest="providers", action="append", default=None,
+                   help="ONNX Runtime execution provider, in order of preference (repeatable; default CPU)")
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -53,7 +61,13 @@ def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def load_model(a: argparse.Namespace):
     import gemmalite
 
-    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads)
+    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads,
+                          **_backend_kwargs(a))
+
+
+def _backend_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    backend = getattr(a, "backend", "gemmalite")
+    return {"backend": backend, "providers": getattr(a, "providers", None)} if backend != "gemmalite" else {}
 
 
 def stream_out(pieces) -> tuple[str, bool]:

@@ -201,8 +201,8 @@ def _build(b: _Builder, graph: DecoderGraph, context: int) -> onnx.ModelProto:
         key = (c.size, c.sliding)
         if key not in masks:
             slots = b.const(np.arange(c.size), np.int64)
-            size = b.const([c.size], np.int64)
-            if c.sliding:  # slot s holds position p - ((p - s) mod S): visible once written
+            if c.sliding:
+                size = b.const([c.size], np.int64)  # slot s holds position p - ((p - s) mod S): visible once written
                 held = b.op("Sub", pos, b.op("Mod", b.op("Add", b.op("Sub", pos, slots), size), size))
                 vis = b.op("Not", b.op("Less", held, b.const([0], np.int64)))
                 idx = b.op("Mod", pos, size)

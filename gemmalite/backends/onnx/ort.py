@@ -82,6 +82,9 @@ class OrtGraph:
         if missing:
             raise ConfigError(f"ONNX Runtime providers {missing} are not available here (available: {avail})")
         self.cfg = graph.cfg
+        # the source's weights, for what describes a model (inspect, bench's bytes per token); half
+        # precision ones are memory-mapped, float32 ones are held twice (here and in the session)
+        self.layers, self.ple, self.final_norm = graph.layers, graph.ple, graph.final_norm
         self.context = context
         self.specs = cache_specs(graph.cfg, context)
         self.has_ple = graph.ple is not None
