@@ -126,6 +126,22 @@ def test_state_clone_and_truncate(case):
         e.prefill(e.new_state(), np.arange(CONTEXT + 1) % 500)
 
 
+def test_batched_steps_equal_solo_steps(case):
+    """The server's calls (`prefill_many`, `decode_batch` with a prompt-lookup run) give each sequence its solo numbers."""
+    _, _, _, ort, _ = case
+    e = ort.engine
+    p1, p2 = random_ids(9, 512, seed=1), random_ids(5, 512, seed=2)
+    a, b = e.new_state(), e.new_state()
+    h = e.prefill_many([a, b], [p1, p2])
+    solo = [e.new_state(), e.new_state()]
+    np.testing.assert_array_equal(h, np.concatenate([e.prefill(s, np.array(p)) for s, p in zip(solo, [p1, p2])]))
+    got = e.decode_batch([a, b], [11, [12, 13]])
+    want = np.concatenate([e.decode_step(solo[0], 11)[None], e.decode_step(solo[1], 12)[None],
+                           e.decode_step(solo[1], 13)[None]])
+    np.testing.assert_array_equal(got, want)
+    assert (a.length, b.length) == (10, 7)
+
+
 def test_export_cli_and_checker(case, tmp_path):
     """`gemmalite export` writes the graph and its data beside it, and the checker passes on them."""
     from gemmalite.cli import main
