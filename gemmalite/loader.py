@@ -44,19 +44,33 @@ def resolve(path: str | Path) -> Path:
     return target if target.exists() else pkg.assemble(target)
 
 
+BACKENDS = ("gemmalite", "onnxruntime")
+
+
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
-         threads: int | None = None, drafter: str | Path | None = None) -> Model:
+         threads: int | None = None, drafter: str | Path | None = None, backend: str = "gemmalite",
+         providers: list | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
     ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
     capped to the same number process-wide); ``drafter``: a ``gemma4_assistant`` folder (MTP
-    speculative decoding: the same text, fewer target steps where its drafts are kept)."""
+    speculative decoding: the same text, fewer target steps where its drafts are kept).
+    ``backend="onnxruntime"`` runs the decoder graph exported to ONNX (`gemmalite.backends.onnx`,
+    the ``onnx`` extra) on ONNX Runtime's ``providers`` (default CPU); the host side stays ours."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a str or a path, got {type(path).__name__}")
     if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
         raise InputError(f"drafter must be a str or a path, got {type(drafter).__name__}")
     if quant not in QUANT_KINDS:
         raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "onnxruntime" and drafter is not None:
+        raise InputError("an MTP drafter reads the CPU graph's KV cache: it does not go with backend='onnxruntime'")
+    if backend == "onnxruntime" and quant is not None:
+        raise InputError("the onnxruntime backend runs the weights as stored: quant must be None")
+    if providers is not None and backend != "onnxruntime":
+        raise InputError("providers are for backend='onnxruntime'")
     if context is not None:
         inputs.integer(context, "context", 1)
     check_threads(threads)
@@ -84,9 +98,11 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     if tokenizer is not None:
         tokenizer.fallback_template = FALLBACK_TEMPLATES[cfg.family]
     w = build_weights(cfg, tensors, quant)
-    engine = Engine(w.graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
+    ctx = resolve_context(context, cfg)
+    graph = _onnx_graph(w.graph, ctx, providers, threads) if backend == "onnxruntime" else w.graph
+    engine = Engine(graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
-                    context=resolve_context(context, cfg), pad_id=cfg.pad_token_id or 0, threads=threads)
+                    context=ctx, pad_id=cfg.pad_token_id or 0, threads=threads)
     mtp = load_drafter(drafter, engine, cfg, quant) if drafter is not None else None
     limit_blas_threads(threads)
     return Model(cfg, engine, tokenizer, defaults, str(p), vision=vision, audio=audio, drafter=mtp)
@@ -108,6 +124,14 @@ def load_drafter(path: str | Path, engine: Engine, target: ModelConfig, quant: s
         return MTPDrafter(assistant, engine, target)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+def _onnx_graph(graph, context: int, providers: list | None, threads: int | None):
+    try:
+        from .backends.onnx.ort import OrtGraph
+    except ImportError as e:
+        raise ConfigError(f"backend='onnxruntime' needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    return OrtGraph.export(graph, context, providers, threads)
 
 
 def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision | None:

@@ -43,7 +43,15 @@ def load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--drafter", default=None,
                    help="gemma4_assistant folder: MTP speculative decoding (the same text, fewer target steps)")
+    backend_args(p)
     threads_arg(p)
+
+
+def backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["gemmalite", "onnxruntime"], default="gemmalite",
+                   help="who runs the decoder graph: our CPU kernels, or its ONNX export on ONNX Runtime")
+    p.add_argument("--provider", dest="providers", action="append", default=None,
+                   help="ONNX Runtime execution provider, in order of preference (repeatable; default CPU)")
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -55,7 +63,13 @@ def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def load_model(a: argparse.Namespace):
     import gemmalite
 
-    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads, drafter=a.drafter)
+    return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads, drafter=getattr(a, "drafter", None),
+                          **_backend_kwargs(a))
+
+
+def _backend_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    backend = getattr(a, "backend", "gemmalite")
+    return {"backend": backend, "providers": getattr(a, "providers", None)} if backend != "gemmalite" else {}
 
 
 def stream_out(pieces) -> tuple[str, bool]:

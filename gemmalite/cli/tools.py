@@ -1,11 +1,11 @@
-"""`gemmalite inspect / synth / convert / bench`: look into, make, quantize and time checkpoints."""
+"""`gemmalite inspect / synth / convert / export / bench`: look into, make, quantize, export and time checkpoints."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
 
-from .generate import load_args, load_model, threads_arg, use_threads
+from .generate import backend_args, load_args, load_model, threads_arg, use_threads
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -46,6 +46,15 @@ def cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    from ..tools.export import export
+
+    use_threads(a)
+    out = export(a.model, a.out, a.format, context=a.context, force=a.force)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from ..tools.bench import bench, format_table
 
@@ -56,7 +65,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(json.dumps(r) if a.json else format_embed_table(r))
         return 0
     r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
-              context=a.context, progress=not a.json, threads=a.threads)
+              context=a.context, progress=not a.json, threads=a.threads, backend=a.backend,
+              providers=a.providers)
     print(json.dumps(r) if a.json else format_table(r))
     return 0
 
@@ -105,6 +115,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     threads_arg(p)
     p.set_defaults(func=cmd_convert)
 
+    p = sub.add_parser("export", help="the decoder graph as a static ONNX decode graph (weights beside it)")
+    p.add_argument("model", help="checkpoint folder or .gguf file (float weights)")
+    p.add_argument("out", help="folder to write decoder.onnx and decoder.onnx.data into")
+    p.add_argument("--format", choices=["onnx"], default="onnx")
+    p.add_argument("--context", type=int, default=None, help="positions the full layers' caches hold")
+    p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
+    threads_arg(p)
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("bench", help="prefill/decode tokens/s, load time, peak memory (embedders: query ms, texts/s)")
     p.add_argument("model")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -112,6 +131,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quant", choices=["int8", "int4"], default=None)
     p.add_argument("--context", type=int, default=None)
+    backend_args(p)
     threads_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)

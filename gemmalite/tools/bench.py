@@ -43,7 +43,8 @@ def run_once(model, prompt_ids, new_tokens: int) -> tuple[float, float]:
 
 
 def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: int = 3, quant: str | None = None,
-          context: int | None = None, progress: bool = True, seed: int = 0, threads: int | None = None) -> dict[str, Any]:
+          context: int | None = None, progress: bool = True, seed: int = 0, threads: int | None = None,
+          backend: str = "gemmalite", providers: list | None = None) -> dict[str, Any]:
     import numpy as np
     from tqdm import tqdm
 
@@ -53,7 +54,7 @@ def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: in
 
     t0 = time.perf_counter()
     model = gemmalite.load(path, context=context or max(prompt_tokens + new_tokens + 1, 256), quant=quant,
-                           threads=threads)
+                           threads=threads, backend=backend, providers=providers)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
@@ -75,6 +76,7 @@ def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: in
     return {
         "model": str(path),
         "quant": quant,
+        "backend": backend if not providers else f"{backend} ({', '.join(map(str, providers))})",
         "weights": weight_formats(model),
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -100,7 +102,7 @@ def _threads() -> int:
 
 def format_table(r: dict[str, Any]) -> str:
     rows = [
-        ("model", r["model"]), ("weights", r["weights"] + ("" if r["quant"] else " (as stored)")), ("threads", r["threads"]),
+        ("model", r["model"]), ("backend", r.get("backend", "gemmalite")), ("weights", r["weights"] + ("" if r["quant"] else " (as stored)")), ("threads", r["threads"]),
         ("load", f"{r['load_s']:.2f} s"),
         (f"prefill ({r['prompt_tokens']} tokens)", f"{r['prefill_tok_s']:.1f} tok/s"),
         (f"decode ({r['new_tokens']} tokens)", f"{r['decode_tok_s']:.2f} tok/s"),

@@ -1,0 +1,1 @@
+"""Other backends for the decoder graph (the host side stays gemmalite's)."""

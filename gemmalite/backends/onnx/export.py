@@ -1,0 +1,280 @@
+"""The decoder graph as a static-shape ONNX DECODE graph (one token), built with ``onnx.helper``.
+
+It is cut at `DecoderGraph.forward`'s boundary, as an NPU build takes it:
+
+    inputs   x0 [1, H] (scaled embedding), ple_rows [1, L*P] (scaled PLE token rows, with PLE),
+             position [1] int64, past_key_<i> / past_value_<i> [S_i, kv, D] per layer owning K/V
+    outputs  hidden [1, H] (final-normed), present_key_<i> / present_value_<i> (the updated caches)
+
+Sliding layers keep a ring of ``min(sliding_window, context)`` entries, full layers ``context``;
+the write slot (``position mod S``) and the masks (which position each slot holds) are computed
+inside the graph from the position, so the host only feeds the caches back. KV-shared layers
+attend to their source's updated cache. Masks are finite (`MASKED`). Weights are stored as
+float32 (bf16 / f16 widened) in one external data file beside the graph, written as they come,
+so memory stays flat whatever the model's size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ...errors import ConfigError
+from ...kernels.ops import MASKED
+from ...models.gemma.config import ModelConfig
+from ...models.gemma.graph import DecoderGraph
+from ...weights.matrix import F32Matrix, HalfMatrix, Matrix
+
+OPSET = 18
+IR_VERSION = 9  # ONNX Runtime >= 1.18 reads IR 9
+GRAPH_FILE = "decoder.onnx"
+DATA_FILE = "decoder.onnx.data"
+ALIGN = 4096  # external tensors start on page boundaries (providers may map them)
+INLINE_BYTES = 1024  # smaller constants stay in the graph file
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One K/V cache the graph takes and returns."""
+
+    layer: int
+    size: int  # entries: the ring length (sliding) or the context (full)
+    kv_heads: int
+    head_dim: int
+    sliding: bool
+
+    @property
+    def names(self) -> tuple[str, str, str, str]:
+        i = self.layer
+        return f"past_key_{i}", f"past_value_{i}", f"present_key_{i}", f"present_value_{i}"
+
+
+def cache_specs(cfg: ModelConfig, context: int) -> list[CacheSpec]:
+    """The caches of a decode graph for ``context`` positions, in input order."""
+    return [CacheSpec(s.index, min(cfg.sliding_window, context) if s.sliding else context, s.num_kv_heads,
+                      s.head_dim, s.sliding) for s in cfg.layers if s.owns_kv]
+
+
+def check_exportable(graph: DecoderGraph) -> None:
+    """ConfigError naming what the exporter does not handle (nothing else is refused)."""
+    cfg = graph.cfg
+    if cfg.family not in ("gemma4", "gemma3"):
+        raise ConfigError(f"ONNX export supports gemma4 / gemma3 decoders, not family {cfg.family!r}")
+    for s, w in zip(cfg.layers, graph.layers):
+        for m in w.matrices():
+            if not isinstance(m, (F32Matrix, HalfMatrix)):
+                raise ConfigError(f"ONNX export takes float weights (as stored); layer {s.index} has "
+                                  f"{type(m).__name__} weights (load without quant / export the unquantized checkpoint)")
+    if graph.ple is not None and not isinstance(graph.ple.projection, (F32Matrix, HalfMatrix)):
+        raise ConfigError(f"ONNX export takes float weights; the PLE projection is {type(graph.ple.projection).__name__}")
+
+
+class _Builder:
+    """Nodes, initializers and the external data file of one graph."""
+
+    def __init__(self, data_path: Path):
+        self.nodes: list = []
+        self.inits: list = []
+        self._n = 0
+        self._data = open(data_path, "wb")
+        self._location = data_path.name
+        self._consts: dict = {}
+
+    def close(self) -> None:
+        self._data.close()
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def weight(self, name: str, a: np.ndarray) -> str:
+        """An initializer: in the data file when big, in the graph file otherwise."""
+        a = np.ascontiguousarray(a)
+        if a.nbytes <= INLINE_BYTES:
+            self.inits.append(numpy_helper.from_array(a, name))
+            return name
+        pos = self._data.tell()
+        pad = -pos % ALIGN
+        self._data.write(b"\0" * pad)
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(a.dtype), dims=a.shape)
+        for k, v in (("location", self._location), ("offset", str(pos + pad)), ("length", str(a.nbytes))):
+            t.external_data.add(key=k, value=v)
+        t.data_location = TensorProto.EXTERNAL
+        self._data.write(a.tobytes())
+        self.inits.append(t)
+        return name
+
+    def const(self, value, dtype=np.float32) -> str:
+        """A small constant (deduplicated by value)."""
+        a = np.asarray(value, dtype=dtype)
+        key = (a.dtype.str, a.shape, a.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.weight(self.name("c"), a)
+        return self._consts[key]
+
+    def op(self, kind: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        out = out or self.name(kind.lower())
+        self.nodes.append(helper.make_node(kind, list(inputs), [out], **attrs))
+        return out
+
+    # -- the layer's pieces ------------------------------------------------------------------
+
+    def matmul(self, x: str, m: Matrix, name: str) -> str:
+        """``x @ W.T`` with ``W.T`` stored float32 ``[in, out]``."""
+        return self.op("MatMul", x, self.weight(name, np.ascontiguousarray(m.dense().T, dtype=np.float32)))
+
+    def rms(self, x: str, w: np.ndarray | None, eps: float, name: str = "") -> str:
+        """``x / sqrt(mean(x^2) + eps) * w`` over the last axis."""
+        ms = self.op("ReduceMean", self.op("Mul", x, x), self.const([-1], np.int64), keepdims=1)
+        y = self.op("Div", x, self.op("Sqrt", self.op("Add", ms, self.const(eps))))
+        return y if w is None else self.op("Mul", y, self.weight(name, np.asarray(w, np.float32)))
+
+    def gelu_mul(self, a: str, b: str) -> str:
+        """``gelu_tanh(a) * b``, in the CPU kernels' order of operations."""
+        cube = self.op("Mul", self.op("Mul", a, a), a)
+        inner = self.op("Mul", self.op("Add", self.op("Mul", cube, self.const(0.044715)), a),
+                        self.const(0.7978845608028654))
+        t = self.op("Mul", self.op("Add", self.op("Tanh", inner), self.const(1.0)), a)
+        return self.op("Mul", self.op("Mul", t, self.const(0.5)), b)
+
+    def rope(self, x: str, cos: str, sin: str, d: int) -> str:
+        """Rotate-half RoPE on ``x [heads, D]`` with ``cos``/``sin`` ``[1, D/2]``."""
+        h = d // 2
+        x1 = self.op("Slice", x, self.const([0], np.int64), self.const([h], np.int64), self.const([-1], np.int64))
+        x2 = self.op("Slice", x, self.const([h], np.int64), self.const([d], np.int64), self.const([-1], np.int64))
+        a = self.op("Sub", self.op("Mul", x1, cos), self.op("Mul", x2, sin))
+        b = self.op("Add", self.op("Mul", x2, cos), self.op("Mul", x1, sin))
+        return self.op("Concat", a, b, axis=-1)
+
+    def reshape(self, x: str, shape) -> str:
+        return self.op("Reshape", x, self.const(list(shape), np.int64))
+
+
+def export_decode(graph: DecoderGraph, out_dir: str | Path, context: int) -> Path:
+    """Write ``decoder.onnx`` + ``decoder.onnx.data`` into ``out_dir`` (which must exist): the
+    decode graph of ``graph`` for caches of ``context`` positions. Returns the graph file's path."""
+    check_exportable(graph)
+    cfg = graph.cfg
+    if not 1 <= context <= cfg.max_position_embeddings:
+        raise ConfigError(f"context must be 1..{cfg.max_position_embeddings}, got {context}")
+    out_dir = Path(out_dir)
+    b = _Builder(out_dir / DATA_FILE)
+    try:
+        model = _build(b, graph, context)
+    finally:
+        b.close()
+    path = out_dir / GRAPH_FILE
+    onnx.save_model(model, str(path))
+    return path
+
+
+def _build(b: _Builder, graph: DecoderGraph, context: int) -> onnx.ModelProto:
+    cfg = graph.cfg
+    H, L, P, nq, eps = cfg.hidden_size, cfg.num_hidden_layers, cfg.ple_dim, cfg.num_attention_heads, cfg.rms_norm_eps
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("x0", f32, [1, H])]
+    if graph.ple is not None:
+        inputs.append(helper.make_tensor_value_info("ple_rows", f32, [1, L * P]))
+    inputs.append(helper.make_tensor_value_info("position", i64, [1]))
+    outputs = [helper.make_tensor_value_info("hidden", f32, [1, H])]
+    specs = {c.layer: c for c in cache_specs(cfg, context)}
+    for c in specs.values():
+        shape = [c.size, c.kv_heads, c.head_dim]
+        pk, pv, nk, nv = c.names
+        inputs += [helper.make_tensor_value_info(pk, f32, shape), helper.make_tensor_value_info(pv, f32, shape)]
+        outputs += [helper.make_tensor_value_info(nk, f32, shape), helper.make_tensor_value_info(nv, f32, shape)]
+
+    pos = "position"
+    posf = b.reshape(b.op("Cast", pos, to=f32), [1, 1])
+    ropes = {}
+    for r, inv in graph._inv_freq.items():
+        ang = b.op("Mul", posf, b.weight(b.name("inv_freq"), inv.reshape(1, -1)))
+        ropes[r] = (b.op("Cos", ang), b.op("Sin", ang))
+
+    masks: dict[tuple[int, bool], tuple[str, str]] = {}
+
+    def slot_and_mask(c: CacheSpec) -> tuple[str, str]:
+        """The write index ``[1, 1]`` and the visible slots ``[S]`` (bool) of a cache at this position."""
+        key = (c.size, c.sliding)
+        if key not in masks:
+            slots = b.const(np.arange(c.size), np.int64)
+            if c.sliding:
+                size = b.const([c.size], np.int64)  # slot s holds position p - ((p - s) mod S): visible once written
+                held = b.op("Sub", pos, b.op("Mod", b.op("Add", b.op("Sub", pos, slots), size), size))
+                vis = b.op("Not", b.op("Less", held, b.const([0], np.int64)))
+                idx = b.op("Mod", pos, size)
+            else:  # slot s holds position s
+                vis = b.op("LessOrEqual", slots, pos)
+                idx = pos
+            masks[key] = (b.reshape(idx, [1, 1]), vis)
+        return masks[key]
+
+    h = "x0"
+    ple = None
+    if graph.ple is not None:
+        ctx = b.op("Mul", b.matmul(h, graph.ple.projection, "ple.projection"), b.const(H ** -0.5))
+        ctx = b.rms(b.reshape(ctx, [L, P]), graph.ple.norm, eps, "ple.norm")
+        ple = b.op("Mul", b.op("Add", ctx, b.reshape("ple_rows", [L, P])), b.const(2.0 ** -0.5))
+
+    caches: dict[int, tuple[str, str]] = {}  # layer -> its updated K, V
+    for s, w in zip(cfg.layers, graph.layers):
+        p, D, kv = f"layers.{s.index}.", s.head_dim, s.num_kv_heads
+        bias = w.bias or {}
+        cos, sin = ropes[s.rope]
+
+        def proj(x: str, attr: str) -> str:
+            y = b.matmul(x, getattr(w, attr), p + attr)
+            return b.op("Add", y, b.weight(p + attr + ".bias", bias[attr])) if attr in bias else y
+
+        a = b.rms(h, w.ln_in, eps, p + "ln_in")
+        q = b.rope(b.rms(b.reshape(proj(a, "q"), [nq, D]), w.q_norm, eps, p + "q_norm"), cos, sin, D)
+        c = specs.get(s.kv_source)
+        idx, vis = slot_and_mask(c)
+        if s.owns_kv:
+            kraw = b.reshape(proj(a, "k"), [kv, D])
+            vraw = kraw if s.k_eq_v else b.reshape(proj(a, "v"), [kv, D])
+            k = b.rope(b.rms(kraw, w.k_norm, eps, p + "k_norm"), cos, sin, D)
+            v = b.rms(vraw, None, eps) if cfg.v_norm else vraw
+            pk, pv, nk, nv = c.names
+            caches[s.index] = (b.op("ScatterND", pk, idx, b.reshape(k, [1, kv, D]), out=nk),
+                               b.op("ScatterND", pv, idx, b.reshape(v, [1, kv, D]), out=nv))
+        K, V = caches[s.kv_source]
+        scores = b.op("MatMul", b.reshape(q, [kv, nq // kv, D]), b.op("Transpose", K, perm=[1, 2, 0]))
+        if cfg.attn_scale != 1.0:
+            scores = b.op("Mul", scores, b.const(cfg.attn_scale))
+        scores = b.op("Where", vis, scores, b.const(MASKED))
+        o = b.op("MatMul", b.op("Softmax", scores, axis=-1), b.op("Transpose", V, perm=[1, 0, 2]))
+        o = proj(b.reshape(o, [1, nq * D]), "o")
+        h = b.op("Add", h, b.rms(o, w.ln_post_attn, eps, p + "ln_post_attn"))
+
+        m = b.rms(h, w.ln_pre_ff, eps, p + "ln_pre_ff")
+        m = b.matmul(b.gelu_mul(b.matmul(m, w.gate, p + "gate"), b.matmul(m, w.up, p + "up")), w.down, p + "down")
+        h = b.op("Add", h, b.rms(m, w.ln_post_ff, eps, p + "ln_post_ff"))
+        if ple is not None:
+            row = b.op("Slice", ple, b.const([s.index], np.int64), b.const([s.index + 1], np.int64),
+                       b.const([0], np.int64))
+            g = b.gelu_mul(b.matmul(h, w.ple_gate, p + "ple_gate"), row)
+            h = b.op("Add", h, b.rms(b.matmul(g, w.ple_proj, p + "ple_proj"), w.ple_norm, eps, p + "ple_norm"))
+        if w.layer_scalar is not None:
+            h = b.op("Mul", h, b.const(w.layer_scalar))
+    b.rms(h, graph.final_norm, eps, "final_norm")
+    b.nodes[-1].output[0] = "hidden"
+
+    g = helper.make_graph(b.nodes, "gemmalite_decode", inputs, outputs, b.inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="gemmalite")
+    model.ir_version = IR_VERSION
+    model.metadata_props.add(key="gemmalite.context", value=str(context))
+    model.metadata_props.add(key="gemmalite.family", value=cfg.family)
+    return model
+
+
+def check_file(path: str | Path) -> None:
+    """``onnx.checker`` on an exported graph file (external data resolved beside it)."""
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+__all__ = ["export_decode", "cache_specs", "check_exportable", "check_file", "CacheSpec", "GRAPH_FILE",
+           "DATA_FILE"]

@@ -1,0 +1,154 @@
+"""The exported decode graph on ONNX Runtime, behind the `Graph` interface the engine calls.
+
+`OrtGraph` has `new_state` / `forward` / `forward_batch` / `forward_many`; its `OrtState` holds
+the caches as numpy arrays (zeroed: masked slots must hold finite numbers, since a masked
+score's weight is an exact 0 times the slot's value). Every row runs the one-token graph, so a
+prompt costs one call per token (no prefill graph yet), and a batched or prompt-lookup row is
+exactly the one-token step it stands for.
+"""
+from __future__ import annotations
+
+import tempfile
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import ConfigError, ContextError
+from ...models.gemma.graph import DecoderGraph
+from ...runtime.cache import KVState
+from .export import CacheSpec, cache_specs, export_decode
+
+
+class OrtState(KVState):
+    """One sequence's caches for the ONNX graph: ``caches[layer] = (K, V)``, ``[S, kv, D]`` each."""
+
+    def __init__(self, specs: list[CacheSpec], context: int, caches: dict | None = None):
+        super().__init__({}, context)
+        self.specs = specs
+        self.caches = caches if caches is not None else {
+            c.layer: (np.zeros((c.size, c.kv_heads, c.head_dim), np.float32),
+                      np.zeros((c.size, c.kv_heads, c.head_dim), np.float32)) for c in specs}
+
+    def _can_truncate(self, n: int) -> bool:
+        """A ring of S entries that wrapped keeps what position ``n`` needs only for ``n >= length - 1``
+        (the slot it overwrites next); full caches and unwrapped rings keep everything."""
+        if n > self.length:
+            return False
+        return all(not c.sliding or self.length <= c.size or n >= self.length - 1 for c in self.specs)
+
+    def truncate(self, n: int) -> bool:
+        """Roll back to the first ``n`` tokens (slots past ``n`` are masked by position, then rewritten)."""
+        if not self._can_truncate(n):
+            return False
+        self.length = n
+        del self.tokens[n:]
+        return True
+
+    def clone(self, n: int | None = None) -> "OrtState | None":
+        n = self.length if n is None else n
+        if not self._can_truncate(n):
+            return None
+        state = OrtState(self.specs, self.context, {i: (k.copy(), v.copy()) for i, (k, v) in self.caches.items()})
+        state.length, state.tokens = self.length, list(self.tokens)
+        state.truncate(n)
+        return state
+
+    def reset(self) -> None:
+        for k, v in self.caches.values():
+            k[:] = 0
+            v[:] = 0
+        self.length = 0
+        self.tokens.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.caches.values())
+
+
+class OrtGraph:
+    """A decode graph exported for one context length, run by an ``onnxruntime.InferenceSession``."""
+
+    def __init__(self, path: str | Path, graph: DecoderGraph, context: int, providers: list | None = None,
+                 threads: int | None = None):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        avail = ort.get_available_providers()
+        providers = list(providers) if providers else ["CPUExecutionProvider"]
+        missing = [p for p in providers if (p[0] if isinstance(p, tuple) else p) not in avail]
+        if missing:
+            raise ConfigError(f"ONNX Runtime providers {missing} are not available here (available: {avail})")
+        self.cfg = graph.cfg
+        # the source's weights, for what describes a model (inspect, bench's bytes per token); half
+        # precision ones are memory-mapped, float32 ones are held twice (here and in the session)
+        self.layers, self.ple, self.final_norm = graph.layers, graph.ple, graph.final_norm
+        self.context = context
+        self.specs = cache_specs(graph.cfg, context)
+        self.has_ple = graph.ple is not None
+        self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        self.path = Path(path)
+
+    @classmethod
+    def export(cls, graph: DecoderGraph, context: int, providers: list | None = None,
+               threads: int | None = None) -> "OrtGraph":
+        """Export ``graph`` into a temporary folder (removed with the returned object) and open it."""
+        tmp = tempfile.TemporaryDirectory(prefix="gemmalite-onnx-")
+        try:
+            out = cls(export_decode(graph, tmp.name, context), graph, context, providers, threads)
+        except BaseException:
+            tmp.cleanup()
+            raise
+        weakref.finalize(out, tmp.cleanup)
+        return out
+
+    def new_state(self, context: int) -> OrtState:
+        if context != self.context:
+            raise ContextError(f"this ONNX graph was exported for a context of {self.context}, not {context}")
+        return OrtState(self.specs, context)
+
+    def _step(self, state: OrtState, x: np.ndarray, ple: np.ndarray | None) -> np.ndarray:
+        """One token at ``state.length``: its final-normed hidden state ``[1, H]``; caches replaced."""
+        feeds = {"x0": np.ascontiguousarray(x, np.float32).reshape(1, -1),
+                 "position": np.array([state.length], np.int64)}
+        if self.has_ple:
+            feeds["ple_rows"] = np.ascontiguousarray(ple, np.float32).reshape(1, -1)
+        for c in self.specs:
+            feeds[c.names[0]], feeds[c.names[1]] = state.caches[c.layer]
+        out = self.session.run(None, feeds)
+        for j, c in enumerate(self.specs):
+            state.caches[c.layer] = (out[1 + 2 * j], out[2 + 2 * j])
+        state.length += 1
+        return out[0]
+
+    def _rows(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray:
+        if state.length + x0.shape[0] > state.context:
+            raise ContextError(f"sequence of {state.length + x0.shape[0]} tokens exceeds the context of {state.context}")
+        return np.concatenate([self._step(state, x0[t], None if ple_rows is None else ple_rows[t])
+                               for t in range(x0.shape[0])])
+
+    def forward(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None, keep=None,
+                capture: list | None = None) -> np.ndarray:
+        """`DecoderGraph.forward`: every row through the decode graph; the final hidden states of ``keep``."""
+        if capture is not None:
+            raise ConfigError("per-layer hidden states (capture) are not available on the onnxruntime backend")
+        h = self._rows(state, x0, ple_rows)
+        return h if keep is None else h[np.asarray(keep, dtype=np.int64)]
+
+    def forward_batch(self, states: list[OrtState], x0: np.ndarray, ple_rows: np.ndarray | None,
+                      counts: list[int] | None = None) -> np.ndarray:
+        counts = [1] * len(states) if counts is None else [int(n) for n in counts]
+        for s, n in zip(states, counts):
+            if n < 1 or s.length + n > s.context:
+                raise ContextError(f"a step of {n} tokens does not fit a sequence of {s.length} in {s.context}")
+        ends = np.cumsum(counts)
+        return np.concatenate([self._rows(s, x0[e - n:e], None if ple_rows is None else ple_rows[e - n:e])
+                               for s, n, e in zip(states, counts, ends)])
+
+    def forward_many(self, states: list[OrtState], x0: np.ndarray, ple_rows: np.ndarray | None,
+                     counts: list[int]) -> np.ndarray:
+        ends = np.cumsum(counts)
+        return np.concatenate([self.forward(s, x0[e - n:e], None if ple_rows is None else ple_rows[e - n:e],
+                                            keep=[n - 1]) for s, n, e in zip(states, counts, ends)])
