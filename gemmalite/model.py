@@ -9,7 +9,7 @@ convenient form with one default session.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -152,7 +152,8 @@ class Model:
     def chat(self, messages: list[dict[str, Any]], **kwargs: Any):
         """`ChatSession.chat` on the model's default session: the KV cache of the previous call is
         reused for the longest common token prefix, so a follow-up turn only runs its new tokens.
-        For conversations in several threads, give each its own `session()`."""
+        For conversations in several threads, give each its own `session()` (a reply asked for
+        while another holds the default session runs on a state of its own, see `ChatSession`)."""
         with self._session_lock:
             if self._default_session is None:
                 self._default_session = ChatSession(self)
@@ -163,20 +164,23 @@ class Model:
         with self._session_lock:
             self._default_session = None
 
-    def text(self, state: KVState, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
-              stop, truncate: bool, params: SamplingParams, lock: threading.Lock | None = None, images=None,
+    def text(self, state: KVState | None, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
+              stop, truncate: bool, params: SamplingParams, session: "ChatSession | None" = None, images=None,
               drafts: int = 0):
         """Generate text after ``ids`` on an explicit ``state`` (what `generate` and `chat` run): tokens,
         then text cut at stop strings; ``drafts``: prompt-lookup draft tokens per step (0: none).
-        Inputs are checked at the call; ``lock`` (a session's) is held while the state is in use."""
+        Inputs are checked at the call; with a ``session`` (``state`` None) the reply runs on the
+        state `ChatSession.replying` gives it when it starts."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=chat)
         arr, soft = self._prompt(ids, images, max_new_tokens, truncate)
 
         def items(stats: GenerationStats):
-            tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, stats=stats, drafts=drafts)
-            pieces = text_pieces(tokens, self.tokenizer, stop_strings, stats)
-            return pieces if lock is None else _holding(lock, pieces)
+            def run(st: KVState) -> Iterator[str]:
+                tokens = self._token_stream(st, arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                            stop_ids=stop_ids, stats=stats, drafts=drafts)
+                return text_pieces(tokens, self.tokenizer, stop_strings, stats)
+
+            return run(state) if session is None else session.replying(run)
 
         out = Stream(items)
         return out if stream else "".join(out)
@@ -184,7 +188,12 @@ class Model:
 
 class ChatSession:
     """One conversation: its KV state is reused across turns for the common token prefix.
-    A session serves one call at a time (a second thread waits for the first)."""
+
+    The state serves one reply at a time, from the reply's first piece to its last (or until its
+    stream is closed). A reply that starts while another still holds it -- a second stream
+    consumed in the same thread, or a call from another thread -- neither waits (which in one
+    thread would never end) nor fails: it runs on a fresh state of its own, computing its whole
+    prompt (the reply a new session would give), and leaves the conversation's state to the first."""
 
     def __init__(self, model: Model):
         self.model = model
@@ -203,16 +212,27 @@ class ChatSession:
         drafts = prompt_lookup_drafts(prompt_lookup)
         stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
         ids = m.tokenizer.chat_ids(messages, add_generation_prompt=True, **template_kwargs)
-        return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                       truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
+        return m.text(None, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
+                       truncate=truncate, params=params, session=self, images=message_images(messages),
                        drafts=drafts)
 
+    def replying(self, run: Callable[[KVState], Iterator[Any]]) -> Iterator[Any]:
+        """``run(state)``'s items, on the conversation's state when no other reply holds it (held
+        from the first item to the last, or until closed), else on a fresh state of its own."""
+        if not self._lock.acquire(blocking=False):
+            yield from run(self.model.new_state())
+            return
+        try:
+            yield from run(self.state)
+        finally:
+            self._lock.release()
+
     def reset(self) -> None:
-        with self._lock:
-            self.state.reset()
-
-
-def _holding(lock: threading.Lock, items: Iterator[Any]) -> Iterator[Any]:
-    """``items``, with ``lock`` held from the first to the last (or until the stream is closed)."""
-    with lock:
-        yield from items
+        """Forget the conversation. A reply still running keeps the state it has; the next starts afresh."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self.state.reset()
+            finally:
+                self._lock.release()
+        else:
+            self.state = self.model.new_state()
