@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -202,7 +202,8 @@ class Model:
     def chat(self, messages: list[dict[str, Any]], **kwargs: Any):
         """`ChatSession.chat` on the model's default session: the KV cache of the previous call is
         reused for the longest common token prefix, so a follow-up turn only runs its new tokens.
-        For conversations in several threads, give each its own `session()`."""
+        For conversations in several threads, give each its own `session()` (a reply asked for
+        while another holds the default session runs on a state of its own, see `ChatSession`)."""
         with self._session_lock:
             if self._default_session is None:
                 self._default_session = ChatSession(self)
@@ -213,23 +214,25 @@ class Model:
         with self._session_lock:
             self._default_session = None
 
-    def text(self, state: KVState, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
-              stop, truncate: bool, params: SamplingParams, lock: threading.Lock | None = None, images=None,
-              drafts: int = 0, audio=None, grammar: Grammar | None = None, logprobs: int | None = None):
+    def text(self, state: KVState | None, ids: list[int], *, chat: bool, stream: bool, max_new_tokens: int,
+             stop, truncate: bool, params: SamplingParams, session: "ChatSession | None" = None, images=None,
+             drafts: int = 0, audio=None, grammar: Grammar | None = None, logprobs: int | None = None):
         """Generate text after ``ids`` on an explicit ``state`` (what `generate` and `chat` run): tokens,
         then text cut at stop strings; ``drafts``: prompt-lookup draft tokens per step (0: none);
         ``grammar``: a compiled constraint; ``logprobs``: top count (None: off; a call that does not
-        stream then returns a `Completion`). Inputs are checked at the call; ``lock`` (a
-        session's) is held while the state is in use."""
+        stream then returns a `Completion`). Inputs are checked at the call; with a ``session``
+        (``state`` None) the reply runs on the state `ChatSession.replying` gives it when it starts."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=chat)
         arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
 
         def items(stats: GenerationStats):
-            tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
-                                        logprobs=logprobs)
-            pieces = text_pieces(tokens, self.tokenizer, stop_strings, stats)
-            return pieces if lock is None else _holding(lock, pieces)
+            def run(st: KVState) -> Iterator[str]:
+                tokens = self._token_stream(st, arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                            stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
+                                            logprobs=logprobs)
+                return text_pieces(tokens, self.tokenizer, stop_strings, stats)
+
+            return run(state) if session is None else session.replying(run)
 
         out = Stream(items)
         if stream:
@@ -237,23 +240,26 @@ class Model:
         text = "".join(out)
         return text if logprobs is None else Completion(text, out.stats)
 
-    def reply(self, state: KVState, ids: list[int], *, stream: bool, max_new_tokens: int, stop, truncate: bool,
-              params: SamplingParams, tools: bool, max_calls: int | None = None, lock: threading.Lock | None = None,
+    def reply(self, state: KVState | None, ids: list[int], *, stream: bool, max_new_tokens: int, stop, truncate: bool,
+              params: SamplingParams, tools: bool, max_calls: int | None = None, session: "ChatSession | None" = None,
               images=None, audio=None, drafts: int = 0, grammar: Grammar | None = None,
               logprobs: int | None = None):
         """A chat reply with its parts apart (`ChatReply`, or with ``stream`` a `Stream` of the
         `chat.parser` events): `text`'s generation, read by the `OutputParser` (``tools``: parse
-        tool calls; ``max_calls``: end the turn after that many); stop strings end the content only."""
+        tool calls; ``max_calls``: end the turn after that many); stop strings end the content only;
+        ``session`` as in `text`."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=True)
         arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
         parser = OutputParser(self.tokenizer, tools=tools, stops=stop_strings, max_calls=max_calls)
 
         def items(stats: GenerationStats):
-            tokens = self._token_stream(state, arr, soft, max_new_tokens=max_new_tokens, params=params,
-                                        stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
-                                        logprobs=logprobs)
-            events = reply_events(tokens, parser, stats)
-            return events if lock is None else _holding(lock, events)
+            def run(st: KVState) -> Iterator[Any]:
+                tokens = self._token_stream(st, arr, soft, max_new_tokens=max_new_tokens, params=params,
+                                            stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
+                                            logprobs=logprobs)
+                return reply_events(tokens, parser, stats)
+
+            return run(state) if session is None else session.replying(run)
 
         out = Stream(items)
         if stream:
@@ -282,7 +288,12 @@ class Completion:
 
 class ChatSession:
     """One conversation: its KV state is reused across turns for the common token prefix.
-    A session serves one call at a time (a second thread waits for the first)."""
+
+    The state serves one reply at a time, from the reply's first piece to its last (or until its
+    stream is closed). A reply that starts while another still holds it -- a second stream
+    consumed in the same thread, or a call from another thread -- neither waits (which in one
+    thread would never end) nor fails: it runs on a fresh state of its own, computing its whole
+    prompt (the reply a new session would give), and leaves the conversation's state to the first."""
 
     def __init__(self, model: Model):
         self.model = model
@@ -322,8 +333,8 @@ class ChatSession:
             or thinking is not None or response_format is not None
         if not structured:
             ids = history.chat_ids(m.tokenizer, messages, **template_kwargs)
-            return m.text(self.state, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                          truncate=truncate, params=params, lock=self._lock, images=message_images(messages),
+            return m.text(None, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
+                          truncate=truncate, params=params, session=self, images=message_images(messages),
                           audio=message_audio(messages), drafts=drafts, grammar=gram, logprobs=top)
         decls = history.check_tools(tools) if tools is not None else []
         choice = history.check_tool_choice("auto" if tool_choice is None and decls else tool_choice or "none", decls)
@@ -342,17 +353,28 @@ class ChatSession:
             gram = response_format_grammar(m.tokenizer, response_format, thinking=think)
         ids = history.chat_ids(m.tokenizer, messages, tools=decls if choice != "none" else None, thinking=think,
                                **template_kwargs)
-        return m.reply(self.state, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
-                       params=params, tools=calls, max_calls=None if parallel else 1, lock=self._lock,
+        return m.reply(None, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
+                       params=params, tools=calls, max_calls=None if parallel else 1, session=self,
                        images=message_images(messages), audio=message_audio(messages), drafts=drafts, grammar=gram,
                        logprobs=top)
 
+    def replying(self, run: Callable[[KVState], Iterator[Any]]) -> Iterator[Any]:
+        """``run(state)``'s items, on the conversation's state when no other reply holds it (held
+        from the first item to the last, or until closed), else on a fresh state of its own."""
+        if not self._lock.acquire(blocking=False):
+            yield from run(self.model.new_state())
+            return
+        try:
+            yield from run(self.state)
+        finally:
+            self._lock.release()
+
     def reset(self) -> None:
-        with self._lock:
-            self.state.reset()
-
-
-def _holding(lock: threading.Lock, items: Iterator[Any]) -> Iterator[Any]:
-    """``items``, with ``lock`` held from the first to the last (or until the stream is closed)."""
-    with lock:
-        yield from items
+        """Forget the conversation. A reply still running keeps the state it has; the next starts afresh."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self.state.reset()
+            finally:
+                self._lock.release()
+        else:
+            self.state = self.model.new_state()

@@ -89,7 +89,22 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of ``ids``: integers in ``[0, vocab_size)`` (else `InputError`, not a silent ``''``)."""
+        if isinstance(ids, (str, bytes, bytearray, dict)) or not isinstance(ids, (Iterable, np.ndarray)):
+            raise InputError(f"ids to decode must be a list of token ids, got {type(ids).__name__}")
+        items = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        n = self.vocab_size
+        for i in items:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, (bool, np.bool_)):
+                raise InputError(f"ids to decode must be integers, got {type(i).__name__} {i!r:.40}")
+            if not 0 <= i < n:
+                raise InputError(f"token id {int(i)} is outside the vocabulary [0, {n})")
+        return self.tk.decode([int(i) for i in items], skip_special_tokens=skip_special_tokens)
+
+    def decode_generated(self, ids: list[int]) -> str:
+        """The text of ids a model produced (unchecked, for streaming): an id past the tokenizer's
+        vocabulary -- a model's padded embedding rows -- has no text, as in transformers."""
+        return self.tk.decode(ids, skip_special_tokens=False)
 
     def token_id(self, token: str) -> int | None:
         return self.tk.token_to_id(token)
@@ -132,8 +147,8 @@ class TextStream:
         self.ids.append(token)
         if _is_byte_token(self.tok.tk.id_to_token(token)):
             return ""  # a run of byte tokens decodes as a whole (invalid runs become U+FFFD each)
-        done = self.tok.decode(self.ids[self.prefix : self.read])
-        text = self.tok.decode(self.ids[self.prefix :])
+        done = self.tok.decode_generated(self.ids[self.prefix : self.read])
+        text = self.tok.decode_generated(self.ids[self.prefix :])
         if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -141,8 +156,8 @@ class TextStream:
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        done = self.tok.decode(self.ids[self.prefix : self.read])
-        text = self.tok.decode(self.ids[self.prefix :])
+        done = self.tok.decode_generated(self.ids[self.prefix : self.read])
+        text = self.tok.decode_generated(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return text[len(done) :]
 

@@ -4,11 +4,14 @@ its weights taken as float), every projection and the LM head emulated in float6
 int8 weights per output row times activations rounded per block, against the float model.
 
     python scripts/activation_rounding_error.py [--tokens 200]
+    python scripts/activation_rounding_error.py --pooled [--texts 24]
 
 Prints, for int8 weights alone and with each activation rounding (int16 / int8 per 32, 128 or
 256 values; a width that the block does not divide takes the largest power-of-two divisor),
 the top-1 agreement with the float model over the prompt's positions and the mean / max
-|delta logit|.
+|delta logit|. ``--pooled``: what an embedding sees instead (the proxy for EmbeddingGemma 2's
+int8 rounding): the mean over each text's positions of the final-normed hidden states, for
+``--texts`` paragraphs of README.md, and 1 - cos to the float model's (mean and max over texts).
 """
 from __future__ import annotations
 
@@ -50,13 +53,40 @@ class Emulated(Emulating):
         return (x @ self.wq.T).astype(np.float32)
 
 
+def pooled(model, texts: int) -> None:
+    """1 - cos of mean-pooled final hidden states against the float model's, per mode."""
+    import re
+
+    from _emulate import README
+
+    paras = [p for p in re.split(r"\n\s*\n", README.read_text()) if len(p) > 80][:texts]
+    eng = model.engine
+    vecs: dict[str, list[np.ndarray]] = {m: [] for m in ["float", *MODES]}
+    for p in paras:
+        ids = np.asarray(model.tokenizer.encode(p)[:256], np.int64)
+        for mode in vecs:
+            Emulating.mode = mode
+            vecs[mode].append(eng.forward(eng.new_state(), ids).astype(np.float64).mean(0))
+    ref = np.array(vecs.pop("float"))
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    print(f"{len(paras)} README.md paragraphs, mean-pooled final hidden states; 1 - cos to the float model:")
+    for mode, v in vecs.items():
+        v = np.array(v)
+        d = 1 - (v / np.linalg.norm(v, axis=1, keepdims=True) * ref).sum(1)
+        print(f"{mode:18s} mean {d.mean():.3e}  max {d.max():.3e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--pooled", action="store_true", help="mean-pooled hidden states, as an embedding")
+    ap.add_argument("--texts", type=int, default=24)
     a = ap.parse_args()
     model = load_gemma3()
     eng = model.engine
     emulate(eng, Emulated)
+    if a.pooled:
+        return pooled(model, a.texts)
     ids = readme_ids(model.tokenizer, a.tokens)
     logits = logits_per_mode(eng, ids, ["float", *MODES])
     ref = logits.pop("float")

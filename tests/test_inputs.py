@@ -54,6 +54,22 @@ def test_bad_token_ids(model, steps, case):
     assert steps == []
 
 
+@pytest.mark.parametrize("case", [c for c in BAD_IDS if c != "empty"])
+def test_decode_refuses_bad_ids(model, case):
+    """``decode`` of an id outside the vocabulary (negative included) or not an integer raises
+    instead of returning ``''``."""
+    with pytest.raises(InputError):
+        model.tokenizer.decode(BAD_IDS[case])
+
+
+def test_decode_takes_the_welcome_types(model):
+    tk = model.tokenizer
+    text = tk.decode(IDS)
+    assert text and tk.decode(tuple(IDS)) == text == tk.decode(np.array(IDS, dtype=np.int32))
+    assert tk.decode([np.int64(i) for i in IDS]) == text and tk.decode([]) == ""
+    assert tk.decode([tk.vocab_size - 1]) is not None
+
+
 BAD_OPTIONS = {
     "max_new_tokens": [2.0, "3", -1, True, None],
     "temperature": [math.nan, math.inf, -1.0, "0.5", True],

@@ -103,3 +103,66 @@ def test_default_chat_matches_a_session(model):
     model.reset_chat()
     assert model.chat(CHATS[1], max_new_tokens=8, temperature=0.0) == model.session().chat(
         CHATS[1], max_new_tokens=8, temperature=0.0)
+
+
+def _in_turn(*streams) -> list[str]:
+    """The texts of ``streams``, consumed one piece of each in turn (in this thread)."""
+    texts, live = ["" for _ in streams], list(range(len(streams)))
+    while live:
+        for i in list(live):
+            piece = next(streams[i], None)
+            if piece is None:
+                live.remove(i)
+            else:
+                texts[i] += piece
+    return texts
+
+
+@pytest.mark.parametrize("on", ["default", "session"])
+def test_second_reply_while_the_first_streams_in_one_thread(model, on):
+    """Two replies of one session consumed in turn in one thread (once a deadlock on the
+    session's lock): the second runs on a state of its own and both equal their solo replies."""
+    solo = [model.session().chat(c, max_new_tokens=8, temperature=0.0) for c in CHATS[:2]]
+    model.reset_chat()
+    session = model.session()
+    chat = model.chat if on == "default" else session.chat
+    first, second = (chat(c, max_new_tokens=8, temperature=0.0, stream=True) for c in CHATS[:2])
+    assert _in_turn(first, second) == solo
+    assert first.stats.new_tokens > 0 and second.stats.new_tokens > 0
+    assert second.stats.cached_tokens == 0  # a fresh state, not the conversation's
+    held = (model._default_session if on == "default" else session).state  # the first kept the conversation's
+    ids = model.tokenizer.chat_ids(CHATS[0], add_generation_prompt=True)
+    assert held.tokens[: len(ids)] == ids
+    # the conversation's state is free again: the follow-up turn runs on it
+    turn = [*CHATS[0], {"role": "assistant", "content": solo[0]}, FOLLOW_UP]
+    chat(turn, max_new_tokens=4, temperature=0.0)
+    ids = model.tokenizer.chat_ids(turn, add_generation_prompt=True)
+    assert (model._default_session if on == "default" else session).state.tokens[: len(ids)] == ids
+
+
+def test_reset_while_a_reply_streams(model):
+    """`ChatSession.reset` during a reply (once a deadlock in the same thread): the reply goes on
+    with its state, the session's next reply starts from nothing."""
+    session = model.session()
+    solo = model.session().chat(CHATS[0], max_new_tokens=8, temperature=0.0)
+    stream = session.chat(CHATS[0], max_new_tokens=8, temperature=0.0, stream=True)
+    text = next(stream)
+    session.reset()
+    assert session.state.length == 0
+    assert text + "".join(stream) == solo
+    again = session.chat(CHATS[0], max_new_tokens=8, temperature=0.0, stream=True)
+    assert "".join(again) == solo and again.stats.cached_tokens == 0
+
+
+def test_second_reply_while_the_first_streams_in_another_thread(model):
+    """A thread's reply while another thread's stream holds the session, unconsumed, runs at once
+    on its own state (it does not wait for the open stream, which may never be consumed)."""
+    solo = [model.session().chat(c, max_new_tokens=8, temperature=0.0) for c in CHATS[:2]]
+    session = model.session()
+    first = session.chat(CHATS[0], max_new_tokens=8, temperature=0.0, stream=True)
+    head = next(first)  # holds the session's state from here until its last piece
+    with ThreadPoolExecutor(1) as pool:
+        # a hang shows as this wait running out; the reply itself takes well under a second
+        second = pool.submit(session.chat, CHATS[1], max_new_tokens=8, temperature=0.0).result(timeout=600)
+    assert second == solo[1]
+    assert head + "".join(first) == solo[0]

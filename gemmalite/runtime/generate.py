@@ -289,7 +289,7 @@ def cut_tokens_at_strings(tokens: Iterator[int], tokenizer: Tokenizer, stops: li
     """Token ids up to (not including) the one whose text completes a stop string."""
     out: list[int] = []
     for t in tokens:
-        if any(s in tokenizer.decode(out + [t]) for s in stops):
+        if any(s in tokenizer.decode_generated(out + [t]) for s in stops):
             stats.finish_reason = "stop"
             return
         out.append(t)

@@ -156,6 +156,14 @@ class Matrix:
         weights once per call; this fallback reads them once per row."""
         return np.concatenate([self.matmul(x[i : i + 1]) for i in range(x.shape[0])])
 
+    def matmul_alike(self, x: np.ndarray) -> np.ndarray:
+        """``matmul`` whose row ``i`` depends on ``x[i]`` alone -- not on the other rows, their
+        number or the thread count -- for a graph whose rows must not depend on the batch they
+        are packed into (the encoder: a text's vector is the same alone and among others).
+        Formats whose many-row kernel computes rows independently take it for any row count;
+        this fallback is `matmul_each`."""
+        return self.matmul_each(x)
+
     def _each_in_chunks(self, x: np.ndarray, rows: int) -> np.ndarray:
         """``matmul_each`` for formats whose few-row kernel computes each row as it computes one."""
         return np.concatenate([self.matmul(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
@@ -216,6 +224,14 @@ class F32Matrix(Matrix):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         return self._each_in_chunks(x, common.FEW_ROWS)
+
+    def matmul_alike(self, x: np.ndarray) -> np.ndarray:
+        """The numba tiles for any row count (each row summed on its own, never BLAS)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        if x.shape[0]:
+            matmul_tiles(x, self.w, out)
+        return out
 
     def uses_blas_for(self, rows: int) -> bool:
         return rows > common.SHORT_ROWS

@@ -11,6 +11,11 @@ v-norm, GELU MLP, the PLE block and ``layer_scalar``. What differs is around it:
 Batches are packed: the tokens of several sequences form one ``[N, H]`` block for every
 projection and MLP product, and attention runs per sequence (a block-diagonal mask), so no
 padding is ever computed. Positions restart at 0 in each sequence, as in a one-by-one run.
+
+A sequence's vector is bit for bit the same alone, in any batch and on any thread count: every
+product computes each row as among any other rows (`Matrix.matmul_alike`: the same kernel
+whatever the row count, never BLAS), and attention is the blocked numba kernel for every
+sequence (each query row summed by one thread).
 """
 from __future__ import annotations
 
@@ -20,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError
-from ...kernels.ops import attention, rms_norm, rope_tables
+from ...kernels.ops import attention_numba, rms_norm, rope_tables
 from ...weights.matrix import Matrix
 from .config import (FULL, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, SLIDING, SUPPORTED_ACTIVATIONS,
                      LayerSpec, ModelConfig, _bool, _float, _int, _layer_types, _overrides, layer_geometry)
 from .contract import expected_shapes
-from .graph import LayerWeights, PLEWeights, layer_step
+from .graph import ALIKE, LayerWeights, PLEWeights, layer_step
 
 ENCODER_TYPES = ("embedding_gemma2", "embedding_gemma2_text")
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -145,8 +150,6 @@ class EncoderGraph:
         self.ple = ple
         self.projection = projection
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
-        self._matrices = [m for w in layers for m in w.matrices()] + [ple.projection]
-        self._blas_free: dict[int, bool] = {}  # rows of a pass -> no product of it calls BLAS
 
     def encode(self, sequences: list[np.ndarray],
                soft: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> np.ndarray:
@@ -162,7 +165,7 @@ class EncoderGraph:
         # the projection is linear and per token: project the mean instead of every token
         sums = np.add.reduceat(h.astype(np.float64), bounds[:-1], axis=0)
         mean = (sums / lengths[:, None]).astype(np.float32)
-        return self.projection.matmul(mean)
+        return self.projection.matmul_alike(mean)
 
     def hidden(self, ids: np.ndarray, bounds: np.ndarray,
                soft: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -179,33 +182,31 @@ class EncoderGraph:
         ple = self._ple(h)  # from the merged input embeddings, as the reference computes it
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         segments = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        n = len(ids)
-        if n not in self._blas_free:  # attention in numba only if no product of the pass wakes BLAS's pool
-            self._blas_free[n] = not any(m.uses_blas_for(n) for m in self._matrices)
-        blas_free = self._blas_free[n]
         for spec, w in zip(cfg.layers, self.layers):
             window = cfg.sliding_window if spec.sliding else None
 
             def attend(q, k, v, window=window):
                 if len(segments) == 1:
-                    return self._attend(q, k, v, pos, window, blas_free)
+                    return self._attend(q, k, v, pos, window)
                 out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)
                 for a, b in segments:
-                    out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], pos[a:b], window, blas_free)
+                    out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], pos[a:b], window)
                 return out
 
-            h = layer_step(cfg, spec, w, h, ple[:, spec.index, :], ropes[spec.rope], attend)
+            h = layer_step(cfg, spec, w, h, ple[:, spec.index, :], ropes[spec.rope], attend, ALIKE)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
-    def _attend(self, q, k, v, pos, window, blas_free: bool):
+    def _attend(self, q, k, v, pos, window):
+        """One sequence's attention, the same kernel whatever its length or the thread count (not
+        `ops.attention`'s few-row kernels, which split a row's keys over the threads)."""
         if window is not None and window >= len(pos) - 1:
             window = None  # the radius covers the whole sequence: no mask to apply
-        return attention(q, k, v, pos, pos, window, self.cfg.attn_scale, blas_free, causal=False)
+        return attention_numba(q, k, v, pos, pos, window, self.cfg.attn_scale, causal=False)
 
     def _ple(self, x0: np.ndarray) -> np.ndarray:
         """Projection-only PLE ``[N, L, P]``: the per-layer signal from the input embeddings alone."""
         cfg, n = self.cfg, x0.shape[0]
-        ctx = self.ple.projection.matmul(x0) * np.float32(cfg.hidden_size**-0.5)
+        ctx = self.ple.projection.matmul_alike(x0) * np.float32(cfg.hidden_size**-0.5)
         return rms_norm(ctx.reshape(n, cfg.num_hidden_layers, cfg.ple_dim), self.ple.norm, cfg.rms_norm_eps)
 
 

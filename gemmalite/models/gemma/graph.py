@@ -209,11 +209,11 @@ class DecoderGraph:
 
 
 def layer_step(cfg: ModelConfig, spec, w: LayerWeights, h: np.ndarray, ple: np.ndarray | None,
-               rope: tuple[np.ndarray, np.ndarray], attend, each: "bool | list[slice]" = False) -> np.ndarray:
+               rope: tuple[np.ndarray, np.ndarray], attend, each: "bool | list[slice] | str" = False) -> np.ndarray:
     """One Gemma layer on rows ``h [T, H]`` (the decoder's and the encoder's): ``ple`` this layer's
     PLE slice ``[T, P]`` or None; ``attend(q, k, v) -> [T, nq*D]`` runs attention (and keeps a cache
     if the caller has one), ``k``/``v`` None on KV-shared layers. ``each``: how products treat the
-    rows (`_mm`: one product, each row alone, or each sequence's rows as its own product)."""
+    rows (`_mm`: one product, each row alone, each sequence's rows as its own product, or ALIKE)."""
     eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
     cos, sin = rope
     bias = w.bias or {}
@@ -269,9 +269,15 @@ def _check_room(state: KVState, n: int) -> None:
         raise ContextError(f"sequence of {state.length + n} tokens exceeds the context of {state.context}")
 
 
-def _mm(m: Matrix, x: np.ndarray, each: "bool | list[slice]") -> np.ndarray:
+ALIKE = "alike"  # `_mm`'s mode for products whose rows must not depend on their company (`Matrix.matmul_alike`)
+
+
+def _mm(m: Matrix, x: np.ndarray, each: "bool | list[slice] | str") -> np.ndarray:
     """``x @ W.T``: one product (``each`` False), each row as alone (True: `Matrix.matmul_each`),
-    or each part's rows (a list of slices: several sequences' prompts) as that part's own product."""
+    each part's rows (a list of slices: several sequences' prompts) as that part's own product,
+    or (ALIKE) each row as among any other rows (`Matrix.matmul_alike`: the encoder)."""
+    if isinstance(each, str):
+        return m.matmul_alike(x)
     if each is True:
         return m.matmul_each(x)
     if not each:
@@ -301,7 +307,7 @@ def _mm_parts(m: Matrix, x: np.ndarray, parts: list[slice]) -> np.ndarray:
     return out
 
 
-def _mm_all(mats: list[Matrix], x: np.ndarray, each: "bool | list[slice]") -> list[np.ndarray]:
+def _mm_all(mats: list[Matrix], x: np.ndarray, each: "bool | list[slice] | str") -> list[np.ndarray]:
     """Products of one input (q/k/v, gate/up) as `_mm` gives them; a plain product shares the
     input's conversion between the matrices (`matmul_all`)."""
     if each is False:
@@ -313,5 +319,5 @@ def _bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     return y + b if b is not None else y
 
 
-def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each: "bool | list[slice]" = False) -> np.ndarray:
+def _proj(m: Matrix, x: np.ndarray, b: np.ndarray | None, each: "bool | list[slice] | str" = False) -> np.ndarray:
     return _bias(_mm(m, x, each), b)
