@@ -8,6 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No clock in the property tests: a loaded machine (CI's) must not fail an example by its time.
+settings.register_profile("gemmalite", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile("gemmalite")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import hf_oracle`
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
