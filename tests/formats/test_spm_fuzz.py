@@ -1,10 +1,8 @@
 """The demo's SentencePiece tokenizer against llama.cpp itself on random text (hypothesis).
 
-Needs llama-cpp-python (skipped without it) and the demo GGUF package. On this project's
-machines llama-cpp-python is the source tree beside the llama.cpp build:
-
-    PYTHONPATH=/work/llama/llama_cpp_python-0.3.36 LLAMA_CPP_LIB_PATH=/work/llama/build/bin \
-        python -m pytest -q tests/formats/test_spm_fuzz.py
+Needs llama-cpp-python and the demo GGUF package. `.ci/run` builds llama-cpp-python from its
+sdist (pinned, cached between runs) into CI's environment; elsewhere, ``pip install
+llama-cpp-python==0.3.36`` (it compiles llama.cpp: minutes) or the test skips.
 """
 from __future__ import annotations
 
