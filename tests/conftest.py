@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No clock in the property tests: a loaded machine (CI's) must not fail an example by its time.
+settings.register_profile("gemmalite", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile("gemmalite")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import hf_oracle`
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,3 +39,47 @@ def gl():
 def random_ids(n: int, vocab: int, seed: int = 0, low: int = 5) -> list[int]:
     """``n`` random token ids in ``[low, vocab)`` (no pad/eos/bos/unk/mask)."""
     return [int(i) for i in np.random.RandomState(seed).randint(low, vocab, size=n)]
+
+
+# -- skips under CI --------------------------------------------------------------------------
+# CI (CI=true; .ci/run sets it) installs every extra, so a skip there means a test silently
+# stopped running: the session fails unless the reason names hardware the machine lacks.
+CI_ALLOWED_SKIPS = (  # re.match against the skip's reason
+    r"(the host has )?no (AVX2|AVX-512 BF16|AVX-512 VNNI|AVX2 / VNNI|VNNI)\b",  # x86 SIMD levels: a CPU
+    # without them runs the kernels' portable paths, which the same tests check on it
+    r"madvise / smaps are Linux's$",  # the memory-map checks, on other systems
+)
+_skips: list[tuple[str, str]] = []
+
+
+def _record_skip(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
+
+
+def pytest_collectreport(report) -> None:  # a module's importorskip
+    _record_skip(report)
+
+
+def pytest_runtest_logreport(report) -> None:
+    _record_skip(report)
+
+
+def _ci_forbidden_skips() -> list[tuple[str, str]]:
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        return []
+    return [(n, r) for n, r in _skips if not any(re.match(a, r) for a in CI_ALLOWED_SKIPS)]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    bad = _ci_forbidden_skips()
+    if bad:
+        terminalreporter.section("skips CI does not allow (tests/conftest.py CI_ALLOWED_SKIPS)", red=True)
+        for nodeid, reason in bad:
+            terminalreporter.line(f"{nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _ci_forbidden_skips() and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -60,14 +60,14 @@ _PIECES = st.sampled_from(["<bos>", "<eos>", "<|turn>", "<turn|>", "<|\"|>", "<|
 _TEXT = st.lists(st.one_of(st.text(max_size=12), _PIECES), max_size=25).map("".join)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300)
 @given(text=_TEXT)
 def test_fuzzed_text_gives_the_ids_of_tokenizers(gemma4, text):
     fast, ref, _ = gemma4
     _same(fast, ref, text)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200)
 @given(ids=st.lists(st.one_of(st.integers(0, 400), st.integers(0, 262143), st.integers(230, 300)), max_size=30))
 def test_any_ids_decode_like_tokenizers(gemma4, ids):
     """Byte tokens (ids 238-493) in valid and invalid runs, specials, anything."""

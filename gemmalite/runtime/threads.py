@@ -59,11 +59,14 @@ def limit_blas_threads(threads: int | None) -> None:
     threadpool_limits(threads, user_api="blas")
 
 
-def run_queue_wait() -> float:
+SCHEDSTAT = "/proc/thread-self/schedstat"  # cpu time, run-queue wait (ns), time slices of the calling thread
+
+
+def run_queue_wait(path: str = SCHEDSTAT) -> float:
     """Seconds the calling thread has spent ready to run but waiting for a CPU (Linux schedstat;
     0.0 where the kernel does not say, which keeps every thread)."""
     try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
+        with open(path, "rb") as f:
             return int(f.read().split()[1]) * 1e-9
     except (OSError, ValueError, IndexError):
         return 0.0

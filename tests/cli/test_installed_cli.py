@@ -227,3 +227,57 @@ def test_threads_on_load(tiny, tiny_model):
         np.testing.assert_array_equal(one.logits(ids), tiny_model.logits(ids))
     finally:
         blas.restore_original_limits()
+
+
+# -- the server, started as a user starts it ---------------------------------------------------
+
+def test_serve_answers_a_chat_an_embedding_and_a_bad_request(home, tiny, tiny_model):
+    """`gemmalite serve` in a process of its own, on the loopback interface (its default) and a
+    port the system picks, answers the openai client: a chat equal to `Model.chat`, embeddings
+    equal to `Embedder.embed`, a bad request with a 400 naming the field; Ctrl-C stops it cleanly."""
+    import queue
+    import re
+    import threading
+
+    import numpy as np
+    import openai
+
+    import gemmalite
+
+    gl(home, "synth", "--preset", "eg2-tiny", "eg2", "-q")
+    msgs = [{"role": "user", "content": "Hello there"}]
+    want_chat = tiny_model.chat(msgs, temperature=0, max_new_tokens=6)
+    tiny_model.reset_chat()
+    texts = ["a cat", "a dog sleeps on the mat"]
+    want_vecs = gemmalite.load_embedder(home / "eg2").embed(texts)
+    p = subprocess.Popen([_script(), "serve", "tiny", "--embedder", "eg2", "--port", "0", "--api-key", "k"], cwd=home,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: queue.Queue = queue.Queue()
+    log: list[str] = []
+    threading.Thread(target=lambda: [lines.put(ln) for ln in p.stderr] + [lines.put(None)], daemon=True).start()
+    try:
+        deadline, port = time.monotonic() + TIMEOUT, None
+        while port is None:  # bounded: the model loads and uvicorn says where it listens
+            line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
+            assert line is not None, "gemmalite serve exited:\n" + "".join(log)[-2000:]
+            log.append(line)
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        assert r.choices[0].message.content == want_chat
+        e = c.embeddings.create(model="eg2", input=texts, encoding_format="float")
+        np.testing.assert_array_equal(np.array([d.embedding for d in e.data], np.float32), want_vecs)
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
+        p.wait()
+    while (line := lines.get(timeout=10)) is not None:
+        log.append(line)
+    assert "Traceback" not in "".join(log), "".join(log)[-2000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
@@ -27,8 +27,7 @@ from gemmalite.tools.synth import text_config
 from test_strict_readers import ARCH, STR, U32, gguf_bytes, gs, kv
 
 PEAK_BYTES = 16 << 20  # per example; the inputs are a few KiB
-FUZZ = settings(max_examples=150, deadline=2000, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, derandomize=True, database=None)  # no deadline: tests/conftest.py
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,5 +1,6 @@
 """GGUF reading: metadata and tensors against gguf-py, clear errors on cut or corrupted files,
-llama.cpp -> Hugging Face names, norm offsets and the config derived from metadata."""
+llama.cpp -> Hugging Face names, norm offsets and the config derived from metadata (Gemma 3;
+Gemma 4's mapping is checked against llama.cpp's converter in test_gguf_gemma.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -173,7 +174,7 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         read_gguf(path)
 
 
-def test_hf_names_gemma3_and_gemma4():
+def test_hf_names_gemma3():
     g3 = {
         "token_embd.weight": "embed_tokens.weight",
         "output_norm.weight": "norm.weight",
@@ -191,19 +192,10 @@ def test_hf_names_gemma3_and_gemma4():
         "blk.3.ffn_up.weight": "layers.3.mlp.up_proj.weight",
         "blk.3.ffn_down.weight": "layers.3.mlp.down_proj.weight",
     }
-    g4 = {
-        "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
-        "per_layer_model_proj.weight": "per_layer_model_projection.weight",
-        "per_layer_proj_norm.weight": "per_layer_projection_norm.weight",
-        "blk.12.inp_gate.weight": "layers.12.per_layer_input_gate.weight",
-        "blk.12.proj.weight": "layers.12.per_layer_projection.weight",
-        "blk.12.post_norm.weight": "layers.12.post_per_layer_input_norm.weight",
-        "blk.12.layer_output_scale.weight": "layers.12.layer_scalar",
-    }
     for k, v in g3.items():
         assert hf_name(k, "gemma3") == v and hf_name(k, "gemma4") == v
-    for k, v in g4.items():
-        assert hf_name(k, "gemma4") == v and hf_name(k, "gemma3") is None
+    for k in ("per_layer_token_embd.weight", "blk.3.inp_gate.weight", "blk.3.layer_output_scale.weight"):
+        assert hf_name(k, "gemma3") is None  # Gemma 4's names (tests/formats/test_gguf_gemma.py) are not Gemma 3's
     assert hf_name("rope_freqs.weight", "gemma4") is None
     assert hf_name("blk.0.unknown.weight", "gemma3") is None
     assert norm_offset("gemma3") == 1.0 and norm_offset("gemma4") == 0.0
@@ -261,34 +253,6 @@ def test_gemma3_default_pattern_and_linear_rope_scaling():
     assert set(config_from_gguf(meta)["layer_types"]) == {"full_attention"}
     with pytest.raises(GGUFError, match="unsupported architecture"):
         config_from_gguf({"general.architecture": "llama"})
-
-
-def test_config_from_gemma4_metadata():
-    n = 6
-    meta = {
-        "general.architecture": "gemma4", "gemma4.block_count": n, "gemma4.context_length": 131072,
-        "gemma4.embedding_length": 1536, "gemma4.feed_forward_length": np.array([6144] * 4 + [12288] * 2),
-        "gemma4.attention.head_count": 8, "gemma4.attention.head_count_kv": 1,
-        "gemma4.attention.key_length": 512, "gemma4.attention.value_length": 512,
-        "gemma4.attention.key_length_swa": 256, "gemma4.attention.value_length_swa": 256,
-        "gemma4.attention.sliding_window": 512, "gemma4.attention.shared_kv_layers": 2,
-        "gemma4.attention.sliding_window_pattern": np.array([True, True, False, True, True, False]),
-        "gemma4.embedding_length_per_layer_input": 256, "gemma4.rope.freq_base": 1e6,
-        "gemma4.rope.freq_base_swa": 1e4, "gemma4.final_logit_softcapping": 30.0,
-        "gemma4.attention.layer_norm_rms_epsilon": 1e-6,
-    }
-    freqs = np.array([1.0] * 64 + [1e30] * 192, np.float32)
-    cfg = config_from_gguf(meta, rope_freqs=freqs)
-    assert cfg["model_type"] == "gemma4_text"
-    assert cfg["layer_types"] == ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
-    assert (cfg["head_dim"], cfg["global_head_dim"]) == (256, 512)
-    assert cfg["num_kv_shared_layers"] == 2 and cfg["use_double_wide_mlp"] is True
-    assert cfg["intermediate_size"] == 6144 and cfg["hidden_size_per_layer_input"] == 256
-    assert cfg["attention_k_eq_v"] is False and "num_global_key_value_heads" not in cfg
-    assert cfg["rope_parameters"] == {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
-    assert cfg["final_logit_softcapping"] == 30.0 and cfg["enable_moe_block"] is False
 
 
 def test_real_gemma4_vocab_file_metadata():

@@ -77,6 +77,19 @@ def test_short_steps_and_fair_shares_do_not_drop():
     assert m.step(g) == 4 and m.step(g) == 1
 
 
+def test_run_queue_wait_reads_the_schedstat_wait_field(tmp_path):
+    """The second field of schedstat (run-queue wait, ns) in seconds; 0.0 where the file is
+    missing or unreadable, which keeps every thread."""
+    f = tmp_path / "schedstat"
+    f.write_bytes(b"81234567 250000000 42\n")
+    assert th.run_queue_wait(str(f)) == 0.25
+    for bad in (b"", b"81234567\n", b"81234567 x 42\n"):
+        f.write_bytes(bad)
+        assert th.run_queue_wait(str(f)) == 0.0
+    assert th.run_queue_wait(str(tmp_path / "missing")) == 0.0
+
+
+@pytest.mark.slow  # measures the machine: spinning processes must really take our CPU
 def test_run_queue_wait_grows_only_while_waiting_for_a_cpu():
     import multiprocessing as mp
     import time
@@ -109,9 +122,39 @@ def test_one_cpu_is_one_thread():
     assert [m.step(g) for _ in range(20)] == [1] * 20 and g.drops == 0
 
 
+class Clocks:
+    """A wall clock and a run-queue wait counter that move only when the test says."""
+
+    def __init__(self):
+        self.wall = self.waited = 0.0
+
+    def advance(self, wall: float, waited: float) -> None:
+        self.wall += wall
+        self.waited += waited
+
+
+def test_compute_judges_the_step_by_the_governors_clocks(monkeypatch):
+    """`compute(None)` gives the governor the wall time and run-queue wait its clocks counted
+    between the step's start and end: a step that waited 60 % of its time sends the next to one thread."""
+    c = Clocks()
+    g = th.Governor(cpus=lambda: 2, clock=lambda: c.wall, wait_clock=lambda: c.waited)
+    monkeypatch.setattr(th, "GOVERNOR", g)
+    c.advance(100.0, 40.0)  # what happened before the step is not the step's
+    with th.compute(None) as n:
+        assert n == min(2, numba.config.NUMBA_NUM_THREADS)
+        c.advance(0.01, 0.002)  # 20 %: not busy
+    assert not g.busy and g.drops == 0
+    with th.compute(None):
+        c.advance(0.01, 0.006)
+    assert g.busy and g.drops == 1 and g.left == th.Governor.FIRST_WAIT
+    with th.compute(None) as n:
+        assert n == 1
+    assert g.left == th.Governor.FIRST_WAIT - 1
+
+
 def test_compute_uses_an_explicit_count_as_given_and_the_governor_otherwise(monkeypatch):
-    m = FakeMachine(cpus=2)
-    monkeypatch.setattr(th, "GOVERNOR", m.governor())
+    c = Clocks()  # frozen: no step is judged busy, whatever the machine does meanwhile
+    monkeypatch.setattr(th, "GOVERNOR", th.Governor(cpus=lambda: 2, clock=lambda: c.wall, wait_clock=lambda: c.waited))
     pool = numba.config.NUMBA_NUM_THREADS
     with th.compute(1) as n:
         assert n == 1 == numba.get_num_threads()

@@ -22,13 +22,28 @@ def _text(*ids: int) -> str:
 
 
 class CountingEngine:
-    """Next token = last token + 1 (greedy); records every decode batch's size."""
+    """Next token = last token + 1 (greedy); records every decode batch's size. Its decode steps
+    run only as the test allows (`allow`), so what arrives between two steps is the test's
+    choice, not the machine's speed."""
 
-    def __init__(self, step_s: float = 0.0):
+    def __init__(self, steps: int | None = None):
         self.batches: list[int] = []
         self.prefills: list[int] = []  # sequences per prefill_many call
-        self.step_s = step_s
         self.prefilled = 0  # prompt tokens run
+        self._steps = steps  # decode steps it may still run (None: any number)
+        self._gate = threading.Condition()
+        self.held = 0  # steps that have waited at the gate so far
+
+    def allow(self, steps: int | None = None) -> None:
+        """Let ``steps`` more decode steps run (None: any number)."""
+        with self._gate:
+            self._steps = None if steps is None else (self._steps or 0) + steps
+            self._gate.notify_all()
+
+    def wait_held(self, count: int = 1) -> None:
+        """Until ``count`` steps in all have waited at the gate (the scheduler is inside a step)."""
+        with self._gate:
+            assert self._gate.wait_for(lambda: self.held >= count, timeout=30), "no step reached the gate"
 
     def new_state(self) -> KVState:
         return KVState({}, context=64)
@@ -49,7 +64,14 @@ class CountingEngine:
         return out
 
     def decode_batch(self, states, tokens):
-        time.sleep(self.step_s)
+        with self._gate:
+            if self._steps == 0:
+                self.held += 1
+                self._gate.notify_all()
+            # a bound on a test's mistake, not a timing: the test's thread allows the step
+            assert self._gate.wait_for(lambda: self._steps != 0, timeout=60), "the test never allowed the step"
+            if self._steps is not None:
+                self._steps -= 1
         self.batches.append(len(states))
         rows = []
         for s, t in zip(states, tokens):  # a token, or a run of them (prompt-lookup drafts)
@@ -65,6 +87,14 @@ def _seq(ids, max_tokens, events, stop_ids=(), stops=()):
                     stop_strings=list(stops), sink=events.put)
 
 
+def _until(done, timeout=30.0) -> None:
+    """Wait for another thread to make ``done()`` true (a bound against a hang, not a timing)."""
+    t0 = time.monotonic()
+    while not done():
+        assert time.monotonic() - t0 < timeout, "never happened"
+        time.sleep(0.001)
+
+
 def _drain(events: queue.Queue, timeout=10.0):
     text, t0 = [], time.time()
     while True:
@@ -75,20 +105,22 @@ def _drain(events: queue.Queue, timeout=10.0):
 
 
 def test_batching_finish_reasons_and_prefix_reuse():
-    eng = CountingEngine(step_s=0.01)
+    eng = CountingEngine(steps=0)
     sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=4).start()
     try:
         a, b, c = queue.Queue(), queue.Queue(), queue.Queue()
         sch.submit(_seq([10], 5, a))
         sch.submit(_seq([20], 10, b, stop_ids=[24]))
         sch.submit(_seq([30], 10, c, stops=["d34>"]))
+        eng.wait_held()  # a's first step waits; b and c are admitted by the next step at the latest
+        eng.allow()
         text_a, fin_a = _drain(a)
         text_b, fin_b = _drain(b)
         text_c, fin_c = _drain(c)
         assert (text_a, fin_a.reason, fin_a.completion_tokens) == (_text(11, 12, 13, 14, 15), "length", 5)
         assert (text_b, fin_b.reason, fin_b.completion_tokens) == (_text(21, 22, 23), "stop", 3)
         assert (text_c, fin_c.reason) == (_text(31, 32, 33) + "<unuse", "stop")
-        assert max(eng.batches) >= 2  # the sequences stepped together
+        assert max(eng.batches) == 3  # the sequences stepped together
         # a prompt that extends a finished sequence's tokens reuses its state (all but its last token)
         d = queue.Queue()
         sch.submit(_seq([10, 11, 12, 13, 14, 15, 60], 2, d))
@@ -100,27 +132,37 @@ def test_batching_finish_reasons_and_prefix_reuse():
 
 
 def test_length_and_cancel_and_shutdown():
-    eng = CountingEngine(step_s=0.02)
+    eng = CountingEngine(steps=0)
     sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=1, prefix_cache=0).start()
     a, b = queue.Queue(), queue.Queue()
     seq_a = _seq([10], 50, a)
     sch.submit(seq_a)
     sch.submit(_seq([40], 3, b))  # waits: one sequence at a time
-    assert isinstance(a.get(timeout=10), Piece)
+    assert isinstance(a.get(timeout=10), Piece)  # a's first token (its prefill)
+    eng.wait_held()  # a's first step waits at the gate
     seq_a.cancel()
+    eng.allow()
     _, fin_a = _drain(a)
-    assert fin_a.reason == "cancelled" and fin_a.completion_tokens < 50
+    assert fin_a.reason == "cancelled" and fin_a.completion_tokens == 2  # left after the step it was in
     text_b, fin_b = _drain(b)  # admitted once a left
     assert (text_b, fin_b.reason) == (_text(41, 42, 43), "length")
     assert sch.active == []
     # shutdown: the running sequence and the waiting ones all get an answer
+    eng.allow(0)
     c, d = queue.Queue(), queue.Queue()
     sch.submit(_seq([5], 60, c))
     sch.submit(_seq([6], 60, d))
     c.get(timeout=10)
-    threading.Thread(target=sch.close).start()
-    assert _drain(c)[1].reason == "cancelled"
+    eng.wait_held(2)  # c's first step waits at the gate
+    closing = threading.Thread(target=sch.close)
+    closing.start()
+    _until(lambda: sch._stop)  # close() has asked the thread to stop; now let c's step end
+    eng.allow()
+    fin_c = _drain(c)[1]
+    assert (fin_c.reason, fin_c.completion_tokens) == ("cancelled", 2)  # the step it was in, no other
     assert _drain(d)[1].reason == "cancelled"
+    closing.join(timeout=30)
+    assert not sch.alive
 
 
 def test_requests_waiting_together_are_prefilled_together():
@@ -146,22 +188,28 @@ def test_a_request_shares_a_running_sequences_prompt():
     or just prefilled sequence takes that one's first logits and runs nothing."""
     from gemmalite.server.scheduler import SHARE_MIN
 
-    eng = CountingEngine(step_s=0.02)
+    eng = CountingEngine(steps=0)
     sch = Scheduler(eng, fallback_tokenizer(), max_concurrency=4, prefix_cache=0).start()
     base = list(range(5, 5 + SHARE_MIN + 4))
     try:
         a, b = queue.Queue(), queue.Queue()
         sch.submit(_seq(base, 40, a))
-        a.get(timeout=10)  # running
+        a.get(timeout=10)  # running: its first step waits at the gate
         sch.submit(_seq(base + [90, 91], 2, b))
+        eng.allow(2)  # a's first step; then b joins and takes its second token in the next one
         text_b, fin_b = _drain(b)
         assert (text_b, fin_b.cached_tokens) == (_text(92, 93), len(base))
         assert eng.prefilled == len(base) + 2
         c = queue.Queue()  # the running one's prompt again, after it has taken several steps
+        eng.wait_held(2)  # step 3 waits
+        eng.allow(3)
+        eng.wait_held(3)  # step 6 waits
         sch.submit(_seq(base, 2, c))
+        eng.allow(2)  # step 6; c joins (no prefill) and takes its second token in step 7
         text_c, fin_c = _drain(c)
         assert (text_c, fin_c.cached_tokens) == (_text(25, 26), len(base))
-        assert eng.prefilled == len(base) + 2 and not _drain(a)[1].reason == "error"
+        eng.allow()
+        assert eng.prefilled == len(base) + 2 and _drain(a)[1].reason == "length"
     finally:
         sch.close()
     eng = CountingEngine()

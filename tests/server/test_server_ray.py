@@ -12,7 +12,6 @@ ray = pytest.importorskip("ray")  # an optional extra, unlike the server's own p
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow  # starts a Ray cluster and two model replicas (a minute or more)
 
 
 def _free_port() -> int:
