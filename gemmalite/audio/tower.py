@@ -29,16 +29,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import AudioError, CheckpointError, ConfigError
+from ..errors import AudioError, ConfigError
 from ..kernels.ops import rms_norm
 from ..models.gemma.build import QUANT_KINDS, matrix_factory
 from ..weights.clipped import CLIP_KEYS, Linear
 from ..weights.matrix import Matrix
+from ..weights.towers import TowerLayout
 from .features import MEL_BINS, log_mel, windows
 
 # (tower prefix, embedder prefix): Gemma4ForConditionalGeneration, then EmbeddingGemma2Model
 PREFIXES = (("model.audio_tower.", "model.embed_audio."), ("audio_tower.", "embed_audio."))
 PROBE = "subsample_conv_projection.input_proj_linear.weight"
+LAYOUT = TowerLayout("audio", PREFIXES, PROBE, "audio_config")
 FFN_NORMS = ("pre_layer_norm", "post_layer_norm")
 LAYER_NORMS = ("norm_pre_attn", "norm_post_attn", "norm_out")
 ATTN = ("q_proj", "k_proj", "v_proj", "post")
@@ -310,10 +312,7 @@ class AudioTower:
 
 def audio_prefixes(tensors: Mapping[str, Any]) -> tuple[str, str] | None:
     """(tower, embedder) prefixes of a checkpoint's tensors, or None when it has no audio tower."""
-    for tower, embed in PREFIXES:
-        if tower + PROBE in tensors:
-            return tower, embed
-    return None
+    return LAYOUT.find(tensors)
 
 
 def expected_shapes(cfg: AudioConfig, text_hidden: int, tower: str, embed: str) -> dict[str, tuple[int, ...]]:
@@ -376,29 +375,7 @@ def build_audio_tower(tensors: Mapping[str, Any], config: dict, *, quant: str | 
     ``quant``: None (projections as stored), "int8" or "int4"."""
     if quant not in QUANT_KINDS:
         raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
-    prefixes = audio_prefixes(tensors)
-    if prefixes is None:
-        raise CheckpointError(f"no audio tower: no {PROBE} under " + " or ".join(repr(t) for t, _ in PREFIXES))
-    if not isinstance(config.get("audio_config"), dict):
-        raise CheckpointError("config.json has no audio_config")
-    try:
-        cfg = AudioConfig.from_hf(config["audio_config"])
-    except ConfigError as e:
-        raise CheckpointError(f"config.json: {e}") from None
-    tower, embed = prefixes
-    proj_name = embed + "embedding_projection.weight"
-    if proj_name not in tensors:
-        raise CheckpointError(f"missing tensor {proj_name}")
-    text_hidden = (config.get("text_config") or {}).get("hidden_size", tensors[proj_name].shape[0])
-    problems = []
-    for name, shape in expected_shapes(cfg, text_hidden, tower, embed).items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name} (expected shape {shape})")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"audio tower: {problems[0]}{more}")
+    cfg, tower, embed = LAYOUT.open(tensors, config, AudioConfig.from_hf, expected_shapes)
 
     mat = matrix_factory(quant)
     H, nh, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -438,4 +415,4 @@ def build_audio_tower(tensors: Mapping[str, Any], config: dict, *, quant: str | 
             vec(sub + "layer1.conv.weight"), vec(sub + "layer1.norm.weight"))
     return AudioTower(cfg, conv, mat(tensors[sub + "input_proj_linear.weight"]), layers,
                       mat(tensors[tower + "output_proj.weight"]), vec(tower + "output_proj.bias"),
-                      mat(tensors[proj_name]))
+                      mat(tensors[embed + "embedding_projection.weight"]))

@@ -32,6 +32,7 @@ from typing import Any
 from ..errors import InputError
 from ..runtime.constrain import JSON_OPTIONS, Grammar
 from ..tokenizer import Tokenizer
+from .history import check_tools
 
 TOOL_CALL, TOOL_CALL_END, STRING_DELIM = "<|tool_call>", "<tool_call|>", '<|"|>'
 CHANNEL, CHANNEL_END = "<|channel>", "<channel|>"
@@ -232,28 +233,6 @@ def special(tokenizer: Tokenizer, token: str) -> str:
     if tid is None:
         raise InputError(f"this model's vocabulary has no {token} token: it has no Gemma 4 tool-call format")
     return f"<[{tid}]>"
-
-
-def check_tools(tools: Any, param: str = "tools") -> list[dict[str, Any]]:
-    """OpenAI ``tools``: a list of ``{"type": "function", "function": {"name", "parameters"?, ...}}``
-    with distinct names (`InputError` with ``param`` otherwise); returns it."""
-    if not isinstance(tools, list):
-        raise bad(param, "must be a list of {'type': 'function', 'function': {...}} objects")
-    names: set[str] = set()
-    for i, t in enumerate(tools):
-        where = f"{param}[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise bad(where, "must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
-        name = t["function"].get("name")
-        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name):
-            raise bad(where + ".function.name", f"must be a non-empty name of letters, digits, _, - or ., got {name!r}")
-        if name in names:
-            raise bad(where + ".function.name", f"{name!r} is declared twice")
-        names.add(name)
-        params = t["function"].get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad(where + ".function.parameters", "must be a JSON schema object")
-    return tools
 
 
 def chosen_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[dict[str, Any]], bool] | None:

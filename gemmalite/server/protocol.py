@@ -242,19 +242,26 @@ def image_bytes(image_url: Any, where: str, limits: Limits) -> bytes:
     head, comma, payload = url.partition(",")
     if not (url.startswith("data:") and comma and head.endswith(";base64")):
         raise bad(f"{where}: the image URL must be a base64 data URL (data:image/png;base64,...)", where, "invalid_image")
-    too_big = bad(f"{where}: the picture is larger than the {limits.max_image_bytes} bytes allowed", where,
-                  "image_too_large")
-    if len(payload) > 4 * (limits.max_image_bytes // 3 + 1):
+    return inline_bytes(payload, where, limits.max_image_bytes, "the picture", "the data URL", "image")
+
+
+def inline_bytes(payload: str | bytes, where: str, limit: int, noun: str, encoded: str, kind: str) -> bytes:
+    """Media sent inline (base64 text, or the bytes themselves), size-checked before decoding (so
+    a huge body is refused unread) and after; errors name ``noun`` / ``encoded`` and carry the codes
+    ``{kind}_too_large`` / ``invalid_{kind}``."""
+    too_big = bad(f"{where}: {noun} is larger than the {limit} bytes allowed", where, f"{kind}_too_large")
+    if isinstance(payload, str):
+        if len(payload) > 4 * (limit // 3 + 1):
+            raise too_big
+        try:
+            payload = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad(f"{where}: {encoded} is not valid base64", where, f"invalid_{kind}") from None
+    if not payload:
+        raise bad(f"{where}: {noun} is empty", where, f"invalid_{kind}")
+    if len(payload) > limit:
         raise too_big
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad(f"{where}: the data URL is not valid base64", where, "invalid_image") from None
-    if not data:
-        raise bad(f"{where}: the picture is empty", where, "invalid_image")
-    if len(data) > limits.max_image_bytes:
-        raise too_big
-    return data
+    return payload
 
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
@@ -296,19 +303,7 @@ def audio_bytes(input_audio: Any, where: str, limits: Limits) -> bytes:
 def clip_bytes(payload: str | bytes, where: str, limits: Limits) -> bytes:
     """Encoded audio (base64 text, or the bytes themselves), within ``max_audio_bytes`` and of a
     container we decode (sniffed from the first bytes)."""
-    too_big = bad(f"{where}: the audio clip is larger than the {limits.max_audio_bytes} bytes allowed", where,
-                  "audio_too_large")
-    if isinstance(payload, str):
-        if len(payload) > 4 * (limits.max_audio_bytes // 3 + 1):
-            raise too_big
-        try:
-            payload = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise bad(f"{where}: the audio data is not valid base64", where, "invalid_audio") from None
-    if not payload:
-        raise bad(f"{where}: the audio clip is empty", where, "invalid_audio")
-    if len(payload) > limits.max_audio_bytes:
-        raise too_big
+    payload = inline_bytes(payload, where, limits.max_audio_bytes, "the audio clip", "the audio data", "audio")
     if sniff_audio(payload) is None:
         raise bad(f"{where}: not an audio file this server decodes (WAV, FLAC, OGG or MP3, sniffed from its first bytes)",
                   where, "invalid_audio")

@@ -18,17 +18,19 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
 from ..models.gemma.config import RopeSpec
 from ..weights.clipped import CLIP_KEYS, Linear
 from ..weights.matrix import Matrix
+from ..weights.towers import TowerLayout
 from .preprocess import ImagePatches
 
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 # (tower prefix, embedder prefix): Gemma4ForConditionalGeneration, then EmbeddingGemma2Model
 PREFIXES = (("model.vision_tower.", "model.embed_vision."), ("vision_tower.", "embed_vision."))
+LAYOUT = TowerLayout("vision", PREFIXES, "patch_embedder.input_proj.weight", "vision_config")
 ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -170,10 +172,7 @@ class VisionTower:
 
 def vision_prefixes(tensors: Mapping[str, Any]) -> tuple[str, str] | None:
     """(tower, embedder) prefixes of a checkpoint's tensors, or None when it has no vision tower."""
-    for tower, embed in PREFIXES:
-        if tower + "patch_embedder.input_proj.weight" in tensors:
-            return tower, embed
-    return None
+    return LAYOUT.find(tensors)
 
 
 def vision_tensors(tensors: Mapping[str, Any], config: dict) -> tuple[list[str], list[str]]:
@@ -221,30 +220,7 @@ def build_vision_tower(tensors: Mapping[str, Any], config: dict, *, quant: str |
     ``quant``: None (float32 projections), "int8" or "int4"."""
     if quant not in QUANT_KINDS:
         raise ValueError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
-    prefixes = vision_prefixes(tensors)
-    if prefixes is None:
-        raise CheckpointError("no vision tower: no patch_embedder.input_proj.weight under "
-                              + " or ".join(repr(t) for t, _ in PREFIXES))
-    if not isinstance(config.get("vision_config"), dict):
-        raise CheckpointError("config.json has no vision_config")
-    try:
-        cfg = VisionConfig.from_hf(config["vision_config"])
-    except ConfigError as e:
-        raise CheckpointError(f"config.json: {e}") from None
-    tower, embed = prefixes
-    proj_name = embed + "embedding_projection.weight"
-    if proj_name not in tensors:
-        raise CheckpointError(f"missing tensor {proj_name}")
-    text_hidden = (config.get("text_config") or {}).get("hidden_size", tensors[proj_name].shape[0])
-    problems = []
-    for name, shape in expected_shapes(cfg, text_hidden, tower, embed).items():
-        if name not in tensors:
-            problems.append(f"missing tensor {name} (expected shape {shape})")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"vision tower: {problems[0]}{more}")
+    cfg, tower, embed = LAYOUT.open(tensors, config, VisionConfig.from_hf, expected_shapes)
 
     mat = matrix_factory(quant)
 
@@ -268,4 +244,4 @@ def build_vision_tower(tensors: Mapping[str, Any], config: dict, *, quant: str |
     std = (vec(tower + "std_bias"), vec(tower + "std_scale")) if cfg.standardize else None
     return VisionTower(cfg, mat(tensors[tower + "patch_embedder.input_proj.weight"]),
                        table(positions[0]), table(positions[1]),
-                       layers, std, mat(tensors[proj_name]))
+                       layers, std, mat(tensors[embed + "embedding_projection.weight"]))
