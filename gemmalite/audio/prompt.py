@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -18,7 +17,7 @@ import numpy as np
 
 from ..errors import AudioError
 from ..runtime.engine import Block
-from ..runtime.threads import compute
+from ..runtime.media_cache import SoftTokenCache
 from .decode import SAMPLE_RATE, load_audio
 from .features import HOP, SUBSAMPLING, soft_token_count
 from .tower import audio_prefixes, build_audio_tower
@@ -48,7 +47,7 @@ class Audio:
         self._tower = None
         self._lock = threading.Lock()
         self.tokens = tokens
-        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache = SoftTokenCache(CACHED_CLIPS)
 
     @property
     def tower(self):
@@ -60,19 +59,8 @@ class Audio:
     def soft_tokens(self, samples: np.ndarray) -> tuple[bytes, np.ndarray]:
         """(digest, soft tokens ``[N, H]``) of one clip (16 kHz mono float32); the last few are kept."""
         digest = hashlib.blake2b(np.ascontiguousarray(samples, np.float32).tobytes(), digest_size=16).digest()
-        with self._lock:
-            soft = self._cache.get(digest)
-            if soft is not None:
-                self._cache.move_to_end(digest)
-                return digest, soft
-        tower = self.tower
-        with compute(None):  # the kernels' thread pool is process-wide: one step at a time (a server decodes meanwhile)
-            soft = np.asarray(tower.encode(samples), dtype=np.float32)
-        with self._lock:
-            self._cache[digest] = soft
-            while len(self._cache) > CACHED_CLIPS:
-                self._cache.popitem(last=False)
-        return digest, soft
+        tower = self.tower  # built (on first use) outside the compute slot
+        return digest, self._cache.get(digest, lambda: np.asarray(tower.encode(samples), dtype=np.float32))
 
     def blocks(self, ids: np.ndarray, clips: Sequence[Any], *, max_seconds: float | None = None
                ) -> list[tuple[int, list[Block]]]:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -23,7 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError, ImageError
 from ..runtime.engine import Block, place_blocks
-from ..runtime.threads import compute
+from ..runtime.media_cache import SoftTokenCache
 from .preprocess import MAX_PIXELS, ImageInput, ImagePatches, ImageProcessorConfig, preprocess
 from .tower import VisionTower, build_vision_tower, vision_prefixes
 
@@ -64,7 +63,7 @@ class Vision:
         self._lock = threading.Lock()
         self.tokens = tokens
         self.video = video or VideoProcessorConfig()
-        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache = SoftTokenCache(CACHED_IMAGES)
 
     def _parts(self) -> tuple[VisionTower, ImageProcessorConfig]:
         with self._lock:
@@ -85,19 +84,7 @@ class Vision:
         h = hashlib.blake2b(digest_size=16)
         h.update(np.asarray(patches.grid, np.int64).tobytes())
         h.update(patches.pixels.tobytes())
-        digest = h.digest()
-        with self._lock:
-            soft = self._cache.get(digest)
-            if soft is not None:
-                self._cache.move_to_end(digest)
-                return digest, soft
-        with compute(None):  # the kernels' thread pool is process-wide: one step at a time (a server decodes meanwhile)
-            soft = self.tower(patches)
-        with self._lock:
-            self._cache[digest] = soft
-            while len(self._cache) > CACHED_IMAGES:
-                self._cache.popitem(last=False)
-        return digest, soft
+        return h.digest(), self._cache.get(h.digest(), lambda: self.tower(patches))
 
     def blocks(self, ids: np.ndarray, images: Sequence[ImageInput], *, max_soft_tokens: int | None = None,
                videos: Sequence[Sequence[ImageInput]] = (), max_pixels: int = MAX_PIXELS) -> list[tuple[int, list[Block]]]:
