@@ -7,11 +7,19 @@ products. ``--batch B`` steps B sequences together (`Engine.decode_batch`, what 
 continuous batching runs): the products then read each weight once for B rows.
 
     python scripts/profile_decode.py MODEL [--tokens 20] [--prompt 16] [--batch 1]
+
+``--kernels`` instead splits a one-sequence step into the time inside numba kernels (cProfile's
+own time of every numba dispatcher of `gemmalite.kernels`) and the rest (Python, numpy, dispatch):
+the most a compiled decode step could save. The rest is the unprofiled median step minus the
+profiled kernel time, so cProfile's own overhead does not inflate it.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import importlib
+import pstats
 import time
 
 import gemmalite  # first: sets the BLAS thread timeout before numpy starts
@@ -26,10 +34,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1, help="sequences stepped together (Engine.decode_batch)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kernels", action="store_true", help="time inside numba kernels against the rest of a step")
     a = ap.parse_args()
     m = gemmalite.load(a.model, threads=a.threads)
     ids = list(np.random.default_rng(0).integers(1000, m.config.vocab_size, a.prompt))
     list(m.generate_tokens(ids, max_new_tokens=4, temperature=0))  # warm-up (compiles kernels)
+    if a.kernels:
+        return kernel_share(m.engine, ids, a.tokens)
     stats: dict = collections.defaultdict(lambda: [0, 0.0, 0])
     depth = [0]  # only the outermost product counts (a fallback matmul_each calls matmul)
     for cls in (quant.Int8Matrix, quant.Int4Matrix, matrix.F32Matrix, matrix.HalfMatrix, ggml.GGMLMatrix):
@@ -74,6 +85,34 @@ def main() -> None:
     products = sum(s[1] for s in stats.values()) / n
     print(f"decode step of {a.batch} sequence(s) {step * 1e3:.1f} ms ({a.batch / step:.2f} tokens/s): products "
           f"{products * 1e3:.1f} ms, everything else {(step - products) * 1e3:.1f} ms")
+
+
+def kernel_share(engine, ids: list[int], n: int) -> None:
+    """Median one-sequence step, and the part of it spent inside numba kernels."""
+    state = engine.new_state()
+    tok = int(np.argmax(engine.logits(engine.prefill(state, np.asarray(ids)))[0]))
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        tok = int(np.argmax(engine.decode_step(state, tok)))
+        times.append(time.perf_counter() - t)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        tok = int(np.argmax(engine.decode_step(state, tok)))
+    prof.disable()
+    inside, kernel_calls, calls = 0.0, 0, 0
+    for (path, _line, name), (_cc, nc, own, _cum, _callers) in pstats.Stats(prof).stats.items():
+        calls += nc
+        if "/gemmalite/kernels/" in path:
+            module = importlib.import_module("gemmalite.kernels." + path.rsplit("/", 1)[1].removesuffix(".py"))
+            if hasattr(getattr(module, name, None), "py_func"):  # a numba dispatcher
+                inside += own
+                kernel_calls += nc
+    step, inside = float(np.median(times)), inside / n
+    print(f"decode step {step * 1e3:.2f} ms median (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
+          f"inside numba kernels {inside * 1e3:.2f} ms in {kernel_calls / n:.0f} calls; Python calls/step "
+          f"{calls / n:.0f}; outside kernels {(step - inside) * 1e3:.2f} ms = {100 * (step - inside) / step:.1f} % of the step")
 
 
 if __name__ == "__main__":
