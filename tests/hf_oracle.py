@@ -17,12 +17,34 @@ import json
 import math
 import shutil
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest (and immune to oversubscription)
+
+
+@contextmanager
+def float64_throughout():
+    """transformers casts to float32 on purpose (``.float()`` in RMSNorm and of q / k / v, a
+    float32 softmax): in a float64 run those casts keep float64 here, so that the float64
+    reference is float64 everywhere but the RoPE tables (float32 angles by the model's definition,
+    which gemmalite reproduces)."""
+    tensor_float, softmax = torch.Tensor.float, torch.nn.functional.softmax
+
+    def as_float(self, *a, **k):
+        return self if self.dtype == torch.float64 else tensor_float(self, *a, **k)
+
+    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+    torch.Tensor.float, torch.nn.functional.softmax = as_float, softmax64
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.nn.functional.softmax = tensor_float, softmax
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CHAT_TEMPLATE_PATH = DATA_DIR / "gemma4-it-chat-template.jinja"
