@@ -271,6 +271,12 @@ def test_special_tokens_follow_the_tokenizer(tmp_path, bos, eos):
 
 # ------------------------------------------------------------------------------------------ quantized
 
+#: the largest 1 - cos against the float64 reference, measured 2026-12-02 on gentle_ckpt (3 inputs
+#: of 3-150 tokens): int8 3.0e-5, int4 4.8e-3 (int8 on the integer tiles, test_int8_prefill_paths_cosine: 3.1e-5); each
+#: bound is about 2x the figure, far below an unrelated vector (1 - cos ~ 1)
+INT8_GAP, INT4_GAP = 6e-5, 1e-2
+
+
 @pytest.fixture(scope="module")
 def gentle_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("eg2_gentle")
@@ -295,13 +301,15 @@ def test_int8_prefill_paths_cosine(tmp_path, monkeypatch, vnni):
     seqs = _ids(np.random.RandomState(1), [7, 60, 200])
     emb = load_embedder(tmp_path, quant="int8")
     got = emb.embed_ids(seqs)
-    assert o.cosine_rows(o.ref_embed_ids(model, seqs), got).min() >= 0.999
+    # measured 2026-12-02 (this checkpoint, both paths the same bits): 1 - cos 2.2e-5-3.1e-5
+    gap = (1 - o.cosine_rows(o.ref_embed_ids(model, seqs), got)).max()
+    assert gap <= INT8_GAP, gap
     wide = [m for w in emb.graph.layers for m in w.matrices() if m.shape[1] % 256 == 0]
     assert len(wide) >= 7 * len(emb.graph.layers)  # q, k, v, o, gate, up, down
     assert all(m._corr is None for m in wide)  # the W8A8 kernel ran on none
 
 
-@pytest.mark.parametrize("quant,bound", [("int8", 0.999), ("int4", 0.99)])
+@pytest.mark.parametrize("quant,bound", [("int8", INT8_GAP), ("int4", INT4_GAP)])
 def test_quantized_cosine(gentle_ckpt, tmp_path, quant, bound):
     from gemmalite.tools.convert import convert
 
@@ -310,8 +318,8 @@ def test_quantized_cosine(gentle_ckpt, tmp_path, quant, bound):
     ref = o.ref_embed_ids(model, seqs)
     emb = load_embedder(path, quant=quant)
     got = emb.embed_ids(seqs)
-    cos = o.cosine_rows(ref, got)
-    assert cos.min() >= bound, cos
+    gap = 1 - o.cosine_rows(ref, got)
+    assert gap.max() <= bound, gap
     assert type(emb.graph.layers[0].q).__name__ == {"int8": "Int8Matrix", "int4": "Int4Matrix"}[quant]
     out = convert(path, tmp_path / quant, quant, progress=False)
     conv = load_embedder(out)
