@@ -137,23 +137,8 @@ def feature_extractor():
     return Gemma4AudioFeatureExtractor()
 
 
-@contextmanager
-def _float64_throughout():
-    """transformers' audio tower casts to float32 on purpose (``.float()`` of q / k / v and in
-    RMSNorm, a float32 softmax): in a float64 run those casts keep float64 here."""
-    tensor_float, softmax = torch.Tensor.float, torch.nn.functional.softmax
-
-    def as_float(self, *a, **k):
-        return self if self.dtype == torch.float64 else tensor_float(self, *a, **k)
-
-    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
-
-    torch.Tensor.float, torch.nn.functional.softmax = as_float, softmax64
-    try:
-        yield
-    finally:
-        torch.Tensor.float, torch.nn.functional.softmax = tensor_float, softmax
+#: transformers' float32 casts kept in float64 in a float64 run (hf_oracle)
+_float64_throughout = hf_oracle.float64_throughout
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ projection-only PLE. The encoder has no KV sharing (transformers' class has no s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -283,12 +284,14 @@ def load_eg2_hf(path):
 
 @torch.no_grad()
 def token_outputs(model, ids, dtype=torch.float64) -> np.ndarray:
-    """Per-token ``embedding_projection`` outputs ``[T, D]`` of one sequence (no padding)."""
+    """Per-token ``embedding_projection`` outputs ``[T, D]`` of one sequence (no padding); float64
+    throughout in float64 (`hf_oracle.float64_throughout`)."""
     m = text_module(model)
     if dtype != torch.float32:
         m = copy.deepcopy(m).to(dtype)
     x = torch.tensor([list(ids)], dtype=torch.long)
-    return m(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0].double().numpy()
+    with hf_oracle.float64_throughout() if dtype == torch.float64 else contextlib.nullcontext():
+        return m(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state[0].double().numpy()
 
 
 def ref_embed_ids(model, sequences, dtype=torch.float64, dimensions: int | None = None) -> np.ndarray:
@@ -327,9 +330,12 @@ def st_model(path, *, cached: bool = False):
     return SentenceTransformer(modules=[tr, pool, Normalize()], prompts=conf.get("prompts"), device="cpu")
 
 
-def st_encode(st, texts, **kw) -> np.ndarray:
-    """sentence-transformers' own encode (float32, padded batches): the reference pipeline."""
-    with torch.no_grad():
+def st_encode(st, texts, dtype=torch.float32, **kw) -> np.ndarray:
+    """sentence-transformers' own encode (padded batches): the reference pipeline, float32 as a
+    user runs it, or ``dtype=torch.float64`` (a float64 copy, float64 throughout)."""
+    if dtype == torch.float64:
+        st = copy.deepcopy(st).double()
+    with torch.no_grad(), hf_oracle.float64_throughout() if dtype == torch.float64 else contextlib.nullcontext():
         return st.encode(list(texts), convert_to_numpy=True, normalize_embeddings=False, **kw).astype(np.float64)
 
 
@@ -339,6 +345,33 @@ def st_token_ids(st, texts, prompt: str | None = None) -> list[list[int]]:
     feats = st.tokenize(texts)
     ids, mask = feats["input_ids"], feats["attention_mask"]
     return [[int(i) for i, m in zip(row, mrow) if m] for row, mrow in zip(ids.tolist(), mask.tolist())]
+
+
+def ref_pair(model, sequences, dimensions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(float64, float32) references of ``sequences`` (`ref_embed_ids`), for `assert_parity`."""
+    return (ref_embed_ids(model, sequences, dimensions=dimensions),
+            ref_embed_ids(model, sequences, torch.float32, dimensions))
+
+
+#: how far gemmalite's float32 vectors may be from the float64 reference, in units of
+#: transformers' own float32 distance from it (the vision and audio towers' yardstick). Measured
+#: 2026-12-02 on the text / nested checkpoints of test_eg2.py (5 texts of 3-380 tokens): ours
+#: 5e-8-1.9e-7, transformers' float32 7e-8-1.9e-7, the largest row ratio 1.7.
+SLACK = 4.0
+
+
+def assert_parity(got, ref64, ref32, what: object = "", slack: float = SLACK) -> None:
+    """float32 vectors ``got [n, d]`` as close to the float64 reference as transformers' own float32
+    run is: ``max |got - ref64| <= slack * max |ref32 - ref64|`` over the rows (no absolute floor:
+    the reference's error is measured on the same inputs; where it is 0, as for a 1-dimension cut,
+    ours must be exact too). The failure names both ``1 - cos``."""
+    got, ref64, ref32 = (np.atleast_2d(np.asarray(a, np.float64)) for a in (got, ref64, ref32))
+    assert got.shape == ref64.shape == ref32.shape, (what, got.shape, ref64.shape, ref32.shape)
+    err, own = np.abs(got - ref64).max(), np.abs(ref32 - ref64).max()
+    assert err <= slack * own, (
+        f"{what}: max |ours - float64| = {err:.3g} > {slack:g} x transformers' float32 error {own:.3g}; "
+        f"1 - cos: ours {(1 - cosine_rows(got, ref64)).max():.3g}, "
+        f"transformers float32 {(1 - cosine_rows(ref32, ref64)).max():.3g}")
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:

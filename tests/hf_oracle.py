@@ -17,12 +17,40 @@ import json
 import math
 import shutil
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest (and immune to oversubscription)
+
+
+@contextmanager
+def float64_throughout():
+    """transformers casts to float32 on purpose (``.float()`` in RMSNorm and of q / k / v, a
+    float32 softmax): in a float64 run those casts keep float64 here, so that the float64
+    reference is float64 everywhere but the RoPE tables (float32 angles by the model's definition,
+    which gemmalite reproduces). A product of a float32 tensor made from integers (the vision
+    pooler's one-hot weights) and a float64 one takes the float32 side exactly to float64."""
+    tensor_float, softmax, matmul = torch.Tensor.float, torch.nn.functional.softmax, torch.Tensor.__matmul__
+
+    def as_float(self, *a, **k):
+        return self if self.dtype == torch.float64 else tensor_float(self, *a, **k)
+
+    def softmax64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+    def matmul64(a, b):
+        if {a.dtype, b.dtype} == {torch.float32, torch.float64}:
+            a, b = a.double(), b.double()
+        return matmul(a, b)
+
+    torch.Tensor.float, torch.nn.functional.softmax, torch.Tensor.__matmul__ = as_float, softmax64, matmul64
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.nn.functional.softmax, torch.Tensor.__matmul__ = tensor_float, softmax, matmul
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CHAT_TEMPLATE_PATH = DATA_DIR / "gemma4-it-chat-template.jinja"

@@ -4,7 +4,9 @@ Reference: the same random checkpoint run by transformers in float64, one sequen
 mean-pooled and L2-normalised (``ref_embed_ids``); and the sentence-transformers pipeline itself
 (float32, padded batches) for tokenization, prompts and pooling. Every checkpoint has sliding
 layers whose radius is far shorter than the inputs and full layers with another head size and
-KV-head count; every weight (norms and ``layer_scalar`` included) is random.
+KV-head count; every weight (norms and ``layer_scalar`` included) is random. float32 vectors are
+judged as the vision tower's are: within 4x transformers' own float32 error of the float64
+reference (``o.assert_parity``); int8 / int4 at bounds measured on gentle checkpoints.
 """
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("sentence_transformers")
+import torch  # noqa: E402
 import eg2_oracle as o  # noqa: E402
 
 from gemmalite import ContextError, ImageError, InputError, load_embedder  # noqa: E402
 from gemmalite.models.gemma.encoder import EncoderConfig  # noqa: E402
 
-COS = 0.99999
 TEXTS = [
     "Hello world",
     "the quick brown fox jumps over the lazy dog. " * 6,  # ~60 tokens: many radius-3 windows
@@ -28,6 +30,11 @@ TEXTS = [
     "What is the capital of France? The capital of France is Paris.\n\nTell me a story.",
     "Once upon a time there was a little model that wanted to generate text. " * 9,  # ~380 tokens
 ]
+
+
+def _st_pair(st, texts, **kw):
+    """The sentence-transformers pipeline's (float64, float32) vectors, for `o.assert_parity`."""
+    return o.st_encode(st, texts, torch.float64, **kw), o.st_encode(st, texts, **kw)
 
 
 def _ids(rng, lengths, vocab=512):
@@ -101,9 +108,13 @@ def test_texts_match_float64_reference(which, text_ckpt, nested_ckpt):
     got = emb.embed(TEXTS)
     assert got.dtype == np.float32 and got.shape == (len(TEXTS), 48)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
-    ref = o.ref_embed_ids(model, ids)
-    assert o.cosine_rows(ref, got).min() >= COS
-    assert o.cosine_rows(o.st_encode(st, TEXTS), got).min() >= COS  # the pipeline, padded batches
+    ref64, ref32 = o.ref_pair(model, ids)
+    o.assert_parity(got, ref64, ref32, which)
+    # the pipeline (padded batches) in float64 is the float64 reference, and ours is as close to it
+    # as the pipeline's own float32 run
+    st64 = o.st_encode(st, TEXTS, torch.float64)
+    np.testing.assert_allclose(st64, ref64, rtol=0, atol=1e-12)
+    o.assert_parity(got, st64, o.st_encode(st, TEXTS), (which, "sentence-transformers"))
 
 
 @pytest.mark.parametrize("variant", [
@@ -118,7 +129,7 @@ def test_layer_variants_match_float64(tmp_path, variant):
     emb = load_embedder(tmp_path)
     seqs = _ids(np.random.RandomState(1), [1, 2, 9, 64, 200, 511])
     got = emb.embed_ids(seqs)
-    assert o.cosine_rows(o.ref_embed_ids(model, seqs), got).min() >= COS
+    o.assert_parity(got, *o.ref_pair(model, seqs), variant)
 
 
 def test_mixed_batches_equal_one_by_one(text_ckpt):
@@ -129,7 +140,7 @@ def test_mixed_batches_equal_one_by_one(text_ckpt):
     one = np.concatenate([emb.embed_ids([s]) for s in seqs])
     for bs in (4, 64):  # bit for bit (tests/embeddings/test_determinism.py)
         np.testing.assert_array_equal(emb.embed_ids(seqs, batch_size=bs), one)
-    assert o.cosine_rows(o.ref_embed_ids(model, seqs), one).min() >= COS
+    o.assert_parity(one, *o.ref_pair(model, seqs))
 
 
 def test_bidirectional_attention_kernels():
@@ -164,10 +175,10 @@ def test_prompts_like_sentence_transformers(text_ckpt, st_text):
         got = emb.embed(TEXTS[:3], prompt_name=name)
         ids = o.st_token_ids(st_text, TEXTS[:3], o.STANDARD_PROMPTS[name])
         assert [list(a) for a in emb.tokenize(TEXTS[:3], prompt=o.STANDARD_PROMPTS[name])] == ids
-        assert o.cosine_rows(o.ref_embed_ids(model, ids), got).min() >= COS
-        assert o.cosine_rows(o.st_encode(st_text, TEXTS[:3], prompt_name=name), got).min() >= COS
+        o.assert_parity(got, *o.ref_pair(model, ids), name)
+        o.assert_parity(got, *_st_pair(st_text, TEXTS[:3], prompt_name=name), (name, "sentence-transformers"))
     lit = emb.embed(TEXTS[:2], prompt="query: ")
-    assert o.cosine_rows(o.st_encode(st_text, TEXTS[:2], prompt="query: "), lit).min() >= COS
+    o.assert_parity(lit, *_st_pair(st_text, TEXTS[:2], prompt="query: "), "literal prompt")
     assert not np.allclose(lit, emb.embed(TEXTS[:2]))
     with pytest.raises(InputError, match="unknown prompt name 'Nope'.*SearchQuery"):
         emb.embed("x", prompt_name="Nope")
@@ -182,7 +193,7 @@ def test_default_prompt_name(tmp_path, text_ckpt):
     (path / "config_sentence_transformers.json").write_text(json.dumps(conf))
     emb = load_embedder(path)
     np.testing.assert_array_equal(emb.embed(TEXTS[:2]), emb.embed(TEXTS[:2], prompt_name="Document"))
-    assert o.cosine_rows(o.st_encode(o.st_model(path), TEXTS[:2]), emb.embed(TEXTS[:2])).min() >= COS
+    o.assert_parity(emb.embed(TEXTS[:2]), *_st_pair(o.st_model(path), TEXTS[:2]))
 
 
 @pytest.mark.parametrize("dims", [1, 16])
@@ -191,8 +202,7 @@ def test_matryoshka_dimensions(text_ckpt, st_text, dims):
     emb = load_embedder(path)
     got = emb.embed(TEXTS, dimensions=dims)
     assert got.shape == (len(TEXTS), dims)
-    ref = o.ref_embed_ids(model, o.st_token_ids(st_text, TEXTS), dimensions=dims)
-    assert o.cosine_rows(ref, got).min() >= COS
+    o.assert_parity(got, *o.ref_pair(model, o.st_token_ids(st_text, TEXTS), dimensions=dims), dims)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
 
 
@@ -244,7 +254,7 @@ def test_tokenization_identical_to_reference(real_vocab_ckpt):
         assert [list(a) for a in emb.tokenize(texts, prompt=prompt, truncate=True)] == ref
         assert all(r[0] == 2 and r[-1] == 1 for r in ref)  # <bos> ... <eos>, the last kept when truncating
         got = emb.embed(texts, prompt=prompt, truncate=True)
-        assert o.cosine_rows(o.ref_embed_ids(model, ref), got).min() >= COS
+        o.assert_parity(got, *o.ref_pair(model, ref), prompt)
     with pytest.raises(ContextError, match=r"texts\[6\].*truncate=True"):
         emb.embed(texts)
 
@@ -260,6 +270,12 @@ def test_special_tokens_follow_the_tokenizer(tmp_path, bos, eos):
 
 
 # ------------------------------------------------------------------------------------------ quantized
+
+#: the largest 1 - cos against the float64 reference, measured 2026-12-02 on gentle_ckpt (3 inputs
+#: of 3-150 tokens): int8 3.0e-5, int4 4.8e-3 (int8 on the integer tiles, test_int8_prefill_paths_cosine: 3.1e-5); each
+#: bound is about 2x the figure, far below an unrelated vector (1 - cos ~ 1)
+INT8_GAP, INT4_GAP = 6e-5, 1e-2
+
 
 @pytest.fixture(scope="module")
 def gentle_ckpt(tmp_path_factory):
@@ -285,13 +301,15 @@ def test_int8_prefill_paths_cosine(tmp_path, monkeypatch, vnni):
     seqs = _ids(np.random.RandomState(1), [7, 60, 200])
     emb = load_embedder(tmp_path, quant="int8")
     got = emb.embed_ids(seqs)
-    assert o.cosine_rows(o.ref_embed_ids(model, seqs), got).min() >= 0.999
+    # measured 2026-12-02 (this checkpoint, both paths the same bits): 1 - cos 2.2e-5-3.1e-5
+    gap = (1 - o.cosine_rows(o.ref_embed_ids(model, seqs), got)).max()
+    assert gap <= INT8_GAP, gap
     wide = [m for w in emb.graph.layers for m in w.matrices() if m.shape[1] % 256 == 0]
     assert len(wide) >= 7 * len(emb.graph.layers)  # q, k, v, o, gate, up, down
     assert all(m._corr is None for m in wide)  # the W8A8 kernel ran on none
 
 
-@pytest.mark.parametrize("quant,bound", [("int8", 0.999), ("int4", 0.99)])
+@pytest.mark.parametrize("quant,bound", [("int8", INT8_GAP), ("int4", INT4_GAP)])
 def test_quantized_cosine(gentle_ckpt, tmp_path, quant, bound):
     from gemmalite.tools.convert import convert
 
@@ -300,8 +318,8 @@ def test_quantized_cosine(gentle_ckpt, tmp_path, quant, bound):
     ref = o.ref_embed_ids(model, seqs)
     emb = load_embedder(path, quant=quant)
     got = emb.embed_ids(seqs)
-    cos = o.cosine_rows(ref, got)
-    assert cos.min() >= bound, cos
+    gap = 1 - o.cosine_rows(ref, got)
+    assert gap.max() <= bound, gap
     assert type(emb.graph.layers[0].q).__name__ == {"int8": "Int8Matrix", "int4": "Int4Matrix"}[quant]
     out = convert(path, tmp_path / quant, quant, progress=False)
     conv = load_embedder(out)
@@ -403,5 +421,5 @@ def test_synth_eg2_tiny_loads_in_transformers(tmp_path):
     assert {k: v for k, v in emb.prompts.items()} == o.STANDARD_PROMPTS
     ids = o.st_token_ids(st, TRICKY, o.STANDARD_PROMPTS["Document"])
     got = emb.embed(TRICKY, prompt_name="Document")
-    assert o.cosine_rows(o.ref_embed_ids(model, ids), got).min() >= COS
-    assert o.cosine_rows(o.st_encode(st, TRICKY, prompt_name="Document"), got).min() >= COS
+    o.assert_parity(got, *o.ref_pair(model, ids))
+    o.assert_parity(got, *_st_pair(st, TRICKY, prompt_name="Document"), "sentence-transformers")

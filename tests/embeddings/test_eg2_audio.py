@@ -6,11 +6,12 @@ audio tokens are special tokens of it). Reference: transformers' ``EmbeddingGemm
 ids the EmbeddingGemma2Processor builds (its text with each ``<|audio|>`` replaced by ``<|audio>``
 + N x ``<|audio|>`` + ``<audio|>``, N from the extractor's mask as the processor counts it,
 tokenized by transformers' tokenizer), features from transformers' Gemma 4 feature extractor;
-mean over every token, L2-normalised. Run in float64; ours must be within 4x the float32
-reference's own error of it.
+mean over every token, L2-normalised. Run in float64 (float64 throughout) and float32; ours must
+be within 4x the float32 reference's own error of the float64 one (``o.assert_parity``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -85,19 +86,12 @@ class Reference:
             text = text.replace("\0", IMG)
         ids = self.tok(text, return_tensors="pt")["input_ids"]
         model = self.model.to(dtype)
-        if dtype == torch.float64:  # the audio tower's own float32 casts kept in float64 too (audio_oracle)
-            tower = type(model).get_audio_features.__get__(model)
-
-            def features64(*a, **k):
-                with ao._float64_throughout():
-                    return tower(*a, **k)
-
-            model.get_audio_features = features64
-        try:
-            h = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).last_hidden_state[0].double().mean(0)
+        try:  # transformers' own float32 casts (text, vision and audio) kept in float64 too
+            with o.hf_oracle.float64_throughout() if dtype == torch.float64 else contextlib.nullcontext():
+                h = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).last_hidden_state[0]
+            h = h.double().mean(0)
         finally:
             self.model.float()
-            self.model.__dict__.pop("get_audio_features", None)
         return (h / h.norm()).numpy()
 
 
@@ -117,10 +111,10 @@ def emb(ckpt):
 
 
 def _check(ref, cases, got) -> None:
-    """Each row within 4x the float32 reference's own error of the float64 reference."""
-    for (text, kw), row in zip(cases, got):
-        r64, r32 = ref(text, **kw), ref(text, dtype=torch.float32, **kw)
-        assert np.abs(row - r64).max() <= 4 * np.abs(r32 - r64).max() + 1e-6, (text, np.abs(row - r64).max())
+    """The rows within 4x the float32 reference's own error of the float64 reference."""
+    r64 = np.stack([ref(text, **kw) for text, kw in cases])
+    r32 = np.stack([ref(text, dtype=torch.float32, **kw) for text, kw in cases])
+    o.assert_parity(got, r64, r32, [text for text, _ in cases])
 
 
 def test_audio_and_mixed_inputs(emb, ref, tmp_path):
@@ -171,7 +165,10 @@ def test_int8_audio(tmp_path):
     a = mo.clip(1.0, 4)
     got = load_embedder(path, quant="int8").embed([{"audio": a}, ["a sound", {"audio": a}]])
     want = np.stack([ref(AUD, [a]), ref("a sound" + S + AUD, [a])])
-    assert o.cosine_rows(want, got).min() >= 0.999
+    # measured 2026-12-02 on this gentle checkpoint (these two inputs): 1 - cos 3.9e-4; the bound
+    # is about 2x it, far below an unrelated vector (~1)
+    gap = (1 - o.cosine_rows(want, got)).max()
+    assert gap <= 8e-4, gap
 
 
 def test_cli_and_corpus_with_audio(ckpt, emb, tmp_path, capsys):

@@ -6,10 +6,14 @@ pooling 2), the real Gemma 4 vocabulary (the image tokens are special tokens of 
 processor_config.json. Reference: transformers' ``EmbeddingGemma2Model`` in float64 on the
 ids the EmbeddingGemma2Processor builds (its text with each ``<|image|>`` replaced by
 ``<|image>`` + N x ``<|image|>`` + ``<image|>``, tokenized by transformers' tokenizer), pixel
-values from transformers' Gemma 4 PIL image processor; mean over every token, L2-normalised.
+values from transformers' Gemma 4 PIL image processor; mean over every token, L2-normalised. Run
+in float64 (float64 throughout) and float32: ours must be within 4x the float32 run's own error
+of the float64 one (``o.assert_parity``); int8 at a measured bound.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import io
 import json
 from pathlib import Path
@@ -25,7 +29,6 @@ import vision_oracle as vo  # noqa: E402
 from gemmalite import ImageError, InputError, load_embedder  # noqa: E402
 from gemmalite.embeddings.media import PART_SEPARATOR  # noqa: E402
 
-COS = 0.99999
 SOFT = 70  # the processor's budget: 70 soft tokens = 280 patches of 4 x 4 pixels
 BOI, IMG, EOI, VID = "<|image>", "<|image|>", "<image|>", "<|video|>"
 
@@ -59,7 +62,7 @@ def _checkpoint(path: Path, gentle: bool = False):
                             "overflow_strategy": "uniform", "do_normalize": True, "image_mean": [0, 0, 0],
                             "image_std": [1, 1, 1]},
         "image_seq_length": SOFT}))
-    return path, model.double()
+    return path, model
 
 
 @pytest.fixture(scope="module")
@@ -68,22 +71,22 @@ def ckpt(tmp_path_factory):
 
 
 class Reference:
-    """transformers' float64 embedding of one input given as the processor's text and pictures."""
+    """transformers' (float64, float32) embeddings of one input given as the processor's text and pictures."""
 
     def __init__(self, path: Path, model):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = model
+        self.models = {torch.float64: copy.deepcopy(model).double(), torch.float32: model}
         self.proc = vo.image_processor(patch_size=4, pooling_kernel_size=2, max_soft_tokens=SOFT)
 
     def _pixels(self, images, budget=SOFT):
         out = self.proc(list(images), return_tensors="pt", max_soft_tokens=budget)
         counts = [int(n) for n in out["num_soft_tokens_per_image"]]
-        return out["pixel_values"].double(), out["image_position_ids"], counts
+        return out["pixel_values"], out["image_position_ids"], counts
 
     @torch.no_grad()
-    def __call__(self, text: str, images=(), video=None, budget=SOFT) -> np.ndarray:
+    def __call__(self, text: str, images=(), video=None, budget=SOFT) -> tuple[np.ndarray, np.ndarray]:
         kw = {}
         if images:
             kw["pixel_values"], kw["image_position_ids"], counts = self._pixels(images, budget)
@@ -96,8 +99,14 @@ class Reference:
                       num_frames_per_video=torch.tensor([len(video)]))
             text = text.replace(VID, "".join(BOI + VID * n + EOI for n in counts))
         ids = self.tok(text, return_tensors="pt")["input_ids"]
-        h = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).last_hidden_state[0].mean(0)
-        return (h / h.norm()).numpy()
+        out = []
+        for dtype, model in self.models.items():
+            pix = {k: v.to(dtype) for k, v in kw.items() if k.startswith("pixel_values")}
+            with o.hf_oracle.float64_throughout() if dtype == torch.float64 else contextlib.nullcontext():
+                h = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw | pix).last_hidden_state[0]
+            h = h.double().mean(0)
+            out.append((h / h.norm()).numpy())
+        return tuple(out)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +119,9 @@ def emb(ckpt):
     return load_embedder(ckpt[0])
 
 
-def _cos(ref_rows, got) -> np.ndarray:
-    return o.cosine_rows(np.stack(ref_rows), got)
+def _check(want, got, what="") -> None:
+    """``want``: the Reference's (float64, float32) pair per row of ``got``."""
+    o.assert_parity(got, np.stack([w[0] for w in want]), np.stack([w[1] for w in want]), what)
 
 
 def test_images_every_input_kind(emb, ref, tmp_path):
@@ -123,10 +133,11 @@ def test_images_every_input_kind(emb, ref, tmp_path):
     Image.fromarray(c).save(buf, format="PNG")
     got = emb.embed([a, tmp_path / "b.png", buf.getvalue(), Image.fromarray(a), io.BytesIO(buf.getvalue())])
     want = [ref(IMG, [x]) for x in (a, b, c, a, c)]
-    assert _cos(want, got).min() >= COS
+    _check(want, got)
     np.testing.assert_allclose(got[0], got[3], atol=1e-6)  # array and PIL image: the same pixels
     single = emb.embed(a)  # one input, not a batch
-    assert single.shape == (1, emb.dim) and _cos([want[0]], single).min() >= COS
+    assert single.shape == (1, emb.dim)
+    _check([want[0]], single, "one input")
 
 
 def test_interleaved_inputs(emb, ref):
@@ -138,21 +149,20 @@ def test_interleaved_inputs(emb, ref):
             ref("left" + s + IMG + s + IMG, [a, b]), ref(IMG + s + IMG, [a, b]),
             ref("first" + s + IMG + s + "then text only", [b])]
     got = emb.embed(inputs)
-    assert _cos(want, got).min() >= COS
+    _check(want, got)
     # a batch mixing texts and pictures equals one input at a time; prompts go first
     mixed = ["just text", ["a photo of", a], "more text"]
     one_by_one = np.concatenate([emb.embed([m]) for m in mixed])
     np.testing.assert_allclose(emb.embed(mixed), one_by_one, atol=2e-6)
     prompted = emb.embed([["a photo of", a]], prompt="title: none | text: ")
-    assert _cos([ref("title: none | text: " + "a photo of" + s + IMG, [a])], prompted).min() >= COS
+    _check([ref("title: none | text: " + "a photo of" + s + IMG, [a])], prompted, "prompt")
 
 
 def test_budget_override_and_dimensions(emb, ref):
     a = _image(80, 120, 5)
     got = emb.embed(a, max_soft_tokens=140, dimensions=16)
-    want = ref(IMG, [a], budget=140)
-    want = want[:16] / np.linalg.norm(want[:16])
-    assert _cos([want], got).min() >= COS
+    want = tuple(w[:16] / np.linalg.norm(w[:16]) for w in ref(IMG, [a], budget=140))
+    _check([want], got)
 
 
 def test_video_frames(emb, ref):
@@ -160,7 +170,7 @@ def test_video_frames(emb, ref):
     kept = [frames[i] for i in np.linspace(0, 4, 3, dtype=int)]  # max_frames 3, "uniform"
     got = emb.embed([{"video": frames}, ["clip:", {"video": frames[:2]}]])
     want = [ref(VID, video=kept), ref("clip:" + PART_SEPARATOR + VID, video=frames[:2])]
-    assert _cos(want, got).min() >= COS
+    _check(want, got)
 
 
 def test_int8_images(tmp_path):
@@ -168,8 +178,11 @@ def test_int8_images(tmp_path):
     ref = Reference(path, model)
     a, b = _image(50, 70, 6), _image(64, 48, 7)
     got = load_embedder(path, quant="int8").embed([a, ["a photo of", b]])
-    want = [ref(IMG, [a]), ref("a photo of" + PART_SEPARATOR + IMG, [b])]
-    assert _cos(want, got).min() >= 0.999
+    want = np.stack([ref(IMG, [a])[0], ref("a photo of" + PART_SEPARATOR + IMG, [b])[0]])
+    # measured 2026-12-02 on this gentle checkpoint (these two inputs): 1 - cos 2.3e-4; the bound is
+    # about 2x it, far below an unrelated vector (~1)
+    gap = (1 - o.cosine_rows(want, got)).max()
+    assert gap <= 5e-4, gap
 
 
 def test_bad_image_inputs(emb, tmp_path):
@@ -240,7 +253,7 @@ def test_video_file(emb, ref, tmp_path):
     frames, meta = read_video_pyav(str(path), sample)
     assert len(frames) == 3
     got = emb.embed([{"video": path}])
-    assert _cos([ref(VID, video=list(frames))], got).min() >= COS
+    _check([ref(VID, video=list(frames))], got, "video file")
 
 
 def _reference_sample_frames():

@@ -40,13 +40,27 @@ def _unpair(xq, k):
 
 
 def _int8_rows(x):
-    """float64 oracle of the activation rounding: int8 per 32 values, step max|x| / 127."""
+    """numpy oracle of the activation rounding: int8 per 32 values, step max|x| / 127, each value
+    ``rint(x * (1 / step))``, every operation an IEEE float32 one as the format defines it
+    (round half to even)."""
     t, k = x.shape
     xr = x.reshape(t, k // 32, 32)
-    step = np.abs(xr).max(2) / np.float32(127)  # float32, as the kernel
+    step = (np.abs(xr).max(2) / np.float32(127)).astype(np.float32)
     inv = np.where(step > 0, np.float32(1) / np.where(step > 0, step, 1), np.float32(0)).astype(np.float32)
+    assert inv.dtype == np.float32 and (xr * inv[..., None]).dtype == np.float32
     q = np.rint(xr * inv[..., None])
     return q.astype(np.float64), step.astype(np.float64)
+
+
+def _activations(t, k, seed):
+    """Normal rows with outliers, a zero row, and a block of exact ties: max 127 (step 1), values at
+    k + 0.5 (round half to even: 2.5 -> 2, -2.5 -> -2, 0.5 -> 0)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    x[:, :5] *= 30  # outliers, as in real activations
+    x[1] = 0.0
+    x[2, :32] = np.r_[127.0, np.arange(31) * (-1.0) ** np.arange(31) + 0.5].astype(np.float32)
+    return x
 
 
 def test_fit_and_pack_match_the_format():
@@ -72,19 +86,17 @@ def test_fit_and_pack_match_the_format():
 
 @pytest.mark.parametrize("k", [96, 256])
 def test_activation_layout(k):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((3, k)).astype(np.float32)
-    x[1] = 0.0
+    x = _activations(64, k, seed=1)
     xq, xc, xd = activation_pairs(x)
     q, step = _int8_rows(x)
     npair = (k // 32 + 1) // 2
-    assert xq.shape == (3, 64 * npair) and xc.shape == xd.shape == (3, 2 * npair)
+    assert xq.shape == (64, 64 * npair) and xc.shape == xd.shape == (64, 2 * npair)
     got = _unpair(xq, k)
-    # (the step may differ from numpy's float32 division by an ulp where numba's compiled division
-    # does, and a value on a rounding boundary then by one step: the kernel uses its own step)
-    np.testing.assert_allclose(xd[:, : k // 32], step, rtol=2e-7)
-    assert np.abs(got - q).max() <= 1 and (got == q).mean() > 0.99
-    np.testing.assert_array_equal(xc[:, : k // 32], -2 * got.sum(2))
+    # exactly numpy's rounding: the same float32 step, every value the same integer (ties included)
+    np.testing.assert_array_equal(xd[:, : k // 32], step)
+    np.testing.assert_array_equal(got, q)
+    assert got[2, 0, 1:5].tolist() == [0.0, -0.0, 2.0, -2.0] and np.all(got[1] == 0)  # 0.5, -0.5, 2.5, -2.5
+    np.testing.assert_array_equal(xc[:, : k // 32], -2 * q.sum(2))
     if (k // 32) % 2:  # the lone last block's partner is zero
         assert not xq[:, -48:-32].any() and not xq[:, -16:].any() and xd[:, -1].sum() == 0 and not xc[:, -1].any()
 
@@ -96,11 +108,10 @@ def test_w4a8_dot_against_float64(k, rows_per_task):
     accumulation error; each activation row bit for bit its one-row result; the two paths equal."""
     n = 37
     _, packed, d16 = _quantized(n, k, seed=2)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((11, k)).astype(np.float32)
-    x[:, :5] *= 30  # outliers, as in real activations
+    x = _activations(11, k, seed=3)
     xq, xc, xd = activation_pairs(x)
-    q, step = _unpair(xq, k), xd[:, : k // 32].astype(np.float64)  # the rounding as the kernel takes it
+    q, step = _int8_rows(x)  # numpy's rounding (test_activation_layout: the kernel's is the same bits)
+    np.testing.assert_array_equal(_unpair(xq, k), q)
     wv = _values(packed).reshape(n, k // 32, 32)
     dw = d16.astype(np.float64)
     terms = np.einsum("tgi,ngi->tng", q, wv) * step[:, None, :] * dw[None]

@@ -1,9 +1,12 @@
 """How far int8 / int4 weights move a whole model's logits from float32 (transformers-made checkpoint).
 
 A broken kernel (wrong scale, nibble order, row order) gives unrelated logits: top-1
-agreement near 1/vocab and an error as large as the logits themselves. Measured on this
-checkpoint: int8 agrees on ~98% of positions with a mean error ~2.2% of the logit spread,
-int4 (symmetric, 4.5 bits) on ~84% with ~22%; the bounds leave room for float noise, not for a bug.
+agreement near 1/vocab and an error as large as the logits themselves. The bounds are measured
+on today's formats (2026-12-02: int8 per-row, int4 symmetric 4.5 bits with the squared-weight
+scale search; this test on its checkpoint, with the ids of seeds 0-3):
+int8 agrees on 0.969 of positions (seed 0; 0.969-1.0 over seeds 0-3) with mean |Δ| / std
+0.0257 (0.024-0.026), int4 on 0.859 (0.828-0.875) with 0.249 (0.243-0.254). Each bound is the
+seed-0 figure with a margin for float noise: the error x 1.2, the agreement 2 positions of 64.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from conftest import random_ids
 from hf_oracle import make_gemma4_checkpoint
 
 VOCAB = 1024
-BOUNDS = {"int8": (0.93, 0.05), "int4": (0.70, 0.35)}  # (min top-1 agreement, max mean |Δ| / std)
+#: (min top-1 agreement, max mean |Δ| / std): measured (docstring) 62/64, 0.0257 and 55/64, 0.249
+BOUNDS = {"int8": (60 / 64, 0.031), "int4": (53 / 64, 0.30)}
 
 
 @pytest.fixture(scope="module")
