@@ -1,17 +1,15 @@
 """`gemmalite convert` is all or nothing: it never touches the source, refuses outputs that would
 overwrite it, and leaves either the complete converted folder or nothing loadable -- when it
-fails, when the disk fills up, and when it is interrupted (SIGINT, SIGKILL) at random points."""
+fails, when the disk fills up, and when it is interrupted (SIGINT, SIGKILL) at each stage of a running conversion."""
 from __future__ import annotations
 
 import errno
 import hashlib
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -177,53 +175,63 @@ def test_full_disk(src, small_disk):
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from gemmalite.tools.convert import convert
+    from gemmalite.tools import convert as c
     from gemmalite.formats.folder import load_folder
-    load_folder(sys.argv[1])  # warm the imports before the clock starts
-    print("ready", flush=True)
-    t = time.perf_counter()
-    convert(sys.argv[1], sys.argv[2], "int8", progress=False, force=True)
-    print(f"done {time.perf_counter() - t:.3f}", flush=True)
+    src, out, phase = sys.argv[1:]
+    load_folder(src)  # warm the imports
+
+    def pause(name, real):
+        # announce the phase (the parent then sends its signal) and hold there, so that the signal
+        # provably lands inside a running conversion, at that point
+        def wrapped(*a, **k):
+            result = real(*a, **k) if name != "install" else None
+            print(name, flush=True)
+            time.sleep(60)
+            return real(*a, **k) if name == "install" else result
+        return wrapped
+
+    hook = {"quantize": "quantize", "saved": "save_arrays", "install": "_install"}[phase]
+    setattr(c, hook, pause(phase, getattr(c, hook)))
+    c.convert(src, out, "int8", progress=False, force=True)
+    print("done", flush=True)
 """)
 
-
-def _child(src: Path, out: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(out)], stdout=subprocess.PIPE, text=True,
-                         env=env, cwd=ROOT)
-    assert p.stdout.readline().strip() == "ready"
-    return p
+# (phase the signal lands in, signal, whether a complete conversion is already at the output)
+# quantize: the partial folder holds nothing yet; saved: every tensor file written, no manifest;
+# install: the manifest written, the rename not done
+KILLS = [("quantize", signal.SIGINT, False), ("saved", signal.SIGKILL, False), ("install", signal.SIGINT, False),
+         ("install", signal.SIGKILL, False), ("saved", signal.SIGINT, True), ("install", signal.SIGKILL, True)]
 
 
-def test_interrupted_conversion_never_leaves_a_loadable_partial_folder(src, tmp_path):
+@pytest.mark.parametrize("phase,sig,existing", KILLS, ids=[f"{p}-{s.name}-{'over' if e else 'fresh'}" for p, s, e in KILLS])
+def test_interrupted_conversion_never_leaves_a_loadable_partial_folder(src, converted, tmp_path, phase, sig, existing):
     before = fingerprint(src)
-    p = _child(src, tmp_path / "clean")  # an uninterrupted run times the conversion
-    out, _ = p.communicate(timeout=120)
-    duration = float(out.split()[-1])
-    assert p.returncode == 0 and loads(tmp_path / "clean")
-
-    rng = random.Random(9)
-    seen: set[str] = set()
-    for i, sig in enumerate([signal.SIGINT, signal.SIGKILL, signal.SIGINT, signal.SIGKILL]):
-        target = tmp_path / f"out{i}"
-        if i >= 2:  # an existing (complete) conversion that --force would replace: it must survive a kill
-            import shutil
-            shutil.copytree(tmp_path / "clean", target)
-        p = _child(src, target)
-        time.sleep(rng.uniform(0, duration))
+    target = tmp_path / "out"
+    if existing:  # a complete conversion that --force would replace: it must survive the interruption
+        import shutil
+        shutil.copytree(converted, target)
+    old = fingerprint(target) if existing else None
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(target), phase], stdout=subprocess.PIPE,
+                         text=True, env=env, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == phase, "the conversion never reached the phase"
+        partial = [tmp_path / n for n in leftovers(tmp_path) if ".partial-" in n]
+        assert len(partial) == 1, f"no partial folder while converting: {sorted(os.listdir(tmp_path))}"
+        if phase == "install":
+            check_manifest(partial[0])  # complete, but not yet in place
         p.send_signal(sig)
-        p.communicate(timeout=120)
-        # the output is absent or complete (the old one or the new one), never a partial folder
-        assert not target.exists() or loads(target), f"kill #{i} ({sig.name}) left a partial {target} that loads"
-        if i >= 2:
-            assert target.exists(), "--force lost the previous conversion on an interruption"
-        new = set(leftovers(tmp_path)) - seen
-        seen |= new
-        for name in new:
-            partial = tmp_path / name
-            assert sig == signal.SIGKILL, f"SIGINT left {name} behind"  # SIGKILL gives no chance to clean up
-            if (partial / MANIFEST).exists():  # killed between the manifest and the rename: complete
-                check_manifest(partial)
-            else:
-                assert not loads(partial) if (partial / "config.json").exists() else True
-        assert fingerprint(src) == before
+        rest, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == -sig, f"exit status {p.returncode}: the signal did not end the conversion"
+    assert "done" not in rest
+    # the output is what it was: absent, or the previous conversion untouched
+    assert (fingerprint(target) == old) if existing else not target.exists()
+    left = leftovers(tmp_path)
+    if sig == signal.SIGINT:  # an interruption the process sees cleans up after itself
+        assert left == [], f"SIGINT left {left} behind"
+    else:  # SIGKILL gives no chance to clean up: what stays is never taken for a checkpoint
+        assert [n for n in left if ".partial-" in n] == [partial[0].name]
+        assert phase == "install" or not loads(partial[0])
+    assert fingerprint(src) == before
