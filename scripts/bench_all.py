@@ -8,6 +8,7 @@ machine load and exact command, and writes the markdown table and SVG plots. Run
     python scripts/bench_all.py                          # every row (E2B / EG2 shapes: hours)
     python scripts/bench_all.py --only e2b-int8,g3-long  # rerun some rows, keep the others' figures
     python scripts/bench_all.py --page BENCHMARKS.md     # also replace the page's table block
+    python scripts/bench_all.py --no-run --page BENCHMARKS.md  # the page from the stored results
 
 Every row runs ``--rounds`` times; each run of a script measures gemmalite and its peer one after
 the other, so the rounds alternate them (A B A B) and the table gives the median of each figure and
@@ -54,6 +55,7 @@ class Fig:
     peer_note: str = ""  # why the peer has no figure
     x: float | None = None  # the abscissa when the line is a point of a curve
     series: str = ""  # the curve it belongs to
+    side: str = "both"  # "ours" / "peer": this output holds only that side (the peer ran as its own command)
 
 
 @dataclass
@@ -136,19 +138,38 @@ def g3_commands(a):
     lengths = [128, 512, 1024] if a.quick else [128, 512, 1024, 2048, 4096]
     new, runs = (32, 2) if a.quick else (64, 3)
     engines = "gemmalite,llamacpp" if has_llama_cpp() else "gemmalite"
-    return [(n, py("bench_gemma3_gguf.py", "--prompt-tokens", n, "--new-tokens", new, "--runs", runs,
-                   "--threads", a.threads, "--engines", engines, "--json", "{out}")) for n in lengths]
+    out = []
+    for n in lengths:
+        out.append((n, py("bench_gemma3_gguf.py", "--prompt-tokens", n, "--new-tokens", new, "--runs", runs,
+                          "--threads", a.threads, "--engines", engines, "--json", "{out}")))
+        if not has_llama_cpp() and a.llama_bench:  # llama.cpp's own benchmark instead (its prompt: random ids)
+            out.append((-n, [a.llama_bench, "-m", str(bundled_gguf(a)), "-p", str(n), "-n", str(new), "-d", f"0,{n}",
+                             "-t", str(a.threads), "-r", str(runs), "-o", "json"]))
+    return out
 
 
 def g3_figs(n, out, a):
+    if n < 0:  # llama-bench: prefill of -n tokens from empty, decode after -n tokens
+        n, peer = -n, "llama.cpp (llama-bench)"
+        pp = next(t["avg_ts"] for t in out if t["n_prompt"] == n and t["n_depth"] == 0)
+        tg = next(t for t in out if t["n_gen"] > 0 and t["n_depth"] == n)
+        figs = [Fig(f"decode, {tg['n_gen']} tokens after {n:,}", "tok/s", None, peer, tg["avg_ts"], side="peer")]
+        if n in (128, max(x for x, _ in g3_commands(a))):
+            figs.append(Fig(f"prefill, {n:,} tokens", "tok/s", None, peer, pp, side="peer"))
+        return figs
     r, note = out["results"], peer_llama(a)
     g, l = r["gemmalite"], r.get("llamacpp", {})
     new, peer = out["new_tokens"], "llama.cpp (llama-cpp-python 0.3.36)"
+    side = "both"
+    if note and a.llama_bench:
+        note, peer, side = "", "llama.cpp (llama-bench)", "ours"
     figs = [Fig(f"decode, {new} tokens after {n:,}", "tok/s", g["decode_tok_s"], peer, l.get("decode_tok_s"), note,
-                x=n, series="decode")]
+                x=n, series="decode", side=side)]
     if n in (128, max(x for x, _ in g3_commands(a))):
-        figs.append(Fig(f"prefill, {n:,} tokens", "tok/s", g["prefill_tok_s"], peer, l.get("prefill_tok_s"), note))
-        figs.append(Fig(f"peak RSS, {n:,}-token prompt (lower is better)", "GiB", g["peak_rss_bytes"] / 2**30, peer,
+        figs.append(Fig(f"prefill, {n:,} tokens", "tok/s", g["prefill_tok_s"], peer, l.get("prefill_tok_s"), note,
+                        side=side))
+        figs.append(Fig(f"peak RSS, {n:,}-token prompt (lower is better)", "GiB", g["peak_rss_bytes"] / 2**30,
+                        peer.replace("llama-bench", "not measured by llama-bench"),
                         l["peak_rss_bytes"] / 2**30 if l else None, note))
     return figs
 
@@ -364,8 +385,12 @@ def run_row(row: Row, a) -> dict:
                     out = run_command(cmd, a, Path(tmp))
                     for f in row.figs(x, out, a):
                         d = figs.setdefault(f.what, {**f.__dict__, "ours": [], "peer": []})
-                        d["ours"].append(f.ours)
-                        d["peer"].append(f.peer)
+                        if f.side != "peer":
+                            d["ours"].append(f.ours)
+                        if f.side != "ours":
+                            d["peer"].append(f.peer)
+                        if f.side == "ours":
+                            d.update(peer_note=f.peer_note, peer_name=f.peer_name)
     except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
         return {**rec, "status": f"failed: {type(e).__name__}: {e}"[:300], "figs": list(figs.values())}
     return {**rec, "status": "ok", "rounds": rounds, "wall_s": round(time.perf_counter() - t0),
@@ -389,6 +414,10 @@ def summary(vals: list, unit: str) -> str:
     return s if len(vals) == 1 else f"{s} ({fmt(min(vals), '').strip()}-{fmt(max(vals), '').strip()})"
 
 
+def cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
 def table(results: dict, a) -> str:
     cpus = {}
     lines = ["| what | gemmalite | peer | peer's figure | gemmalite / peer (min-max) | run | command |",
@@ -404,13 +433,14 @@ def table(results: dict, a) -> str:
         run = f"{rec['date']}, {cpu}, load {rec['load_before']}" + (
             f"-{rec['load_after']}" if "load_after" in rec else "")
         cmd = f"[{row.id}](#{row.id})"
-        status = "" if rec["status"] == "ok" else rec["status"]
-        lines.append(f"| **{row.title}** | {status} | | | | {run} | {cmd} |")
+        notes = {f["peer_note"] for f in rec.get("figs", [])} - {""}
+        status = " ".join(([] if rec["status"] == "ok" else [rec["status"]]) + [f"peer {n}" for n in sorted(notes)])
+        lines.append(f"| **{row.title}** | {cell(status)} | | | | {run} | {cmd} |")
         for f in rec.get("figs", []):
             ratios = [o / p for o, p in zip(f["ours"], f["peer"]) if o and p]
             ratio = "-" if not ratios else f"**{statistics.median(ratios):.2f}x**" + (
                 f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if len(ratios) > 1 else "")
-            peer = summary(f["peer"], f["unit"]) if not f["peer_note"] else f["peer_note"]
+            peer = summary(f["peer"], f["unit"]) if not f["peer_note"] else f["peer_note"].split(":")[0]
             lines.append(f"| {f['what']} | {summary(f['ours'], f['unit'])} | {f['peer_name']} | {peer} | {ratio} "
                          f"| | |")
     lines.append("")
@@ -517,18 +547,25 @@ def main(argv=None) -> int:
     for name in ("e2b", "e2b-int8", "e2b-int4", "eg2", "eg2-int8"):
         ap.add_argument(f"--{name}", default=str(synth / name) if (synth / name).exists() else None)
     ap.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="BIN")
+    ap.add_argument("--llama-bench", default=None, metavar="BIN",
+                    help="llama.cpp's benchmark, the Gemma 3 rows' peer when llama-cpp-python cannot run "
+                         "(default: beside --llama-server, or on PATH)")
     ap.add_argument("--images", type=int, default=8)
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
+    ap.add_argument("--no-run", action="store_true", help="rewrite the table, plots (and --page) from results.json")
     a = ap.parse_args(argv)
     if a.list:
         for r in ROWS:
             print(f"{r.id:12s} {'quick' if r.quick else 'full '} {r.title}")
         return 0
     a.rounds = a.rounds or (2 if a.quick else 3)
+    beside = Path(a.llama_server).parent / "llama-bench" if a.llama_server else None
+    a.llama_bench = a.llama_bench or (str(beside) if beside and beside.exists() else shutil.which("llama-bench"))
     a.out = a.out or (Path(tempfile.gettempdir()) / "gemmalite-bench-quick" if a.quick else ROOT / "docs" / "benchmarks")
     a.out.mkdir(parents=True, exist_ok=True)
     ids = [r.id for r in ROWS]
     only = a.only.split(",") if a.only else [r.id for r in ROWS if r.quick or not a.quick]
+    only = [] if a.no_run else only
     bad = [i for i in only if i not in ids]
     if bad:
         ap.error(f"unknown rows {bad}; rows: {', '.join(ids)}")
@@ -543,7 +580,9 @@ def main(argv=None) -> int:
         store.write_text(json.dumps(results, indent=1))
     text = header(a) + "\n\n" + table(results, a)
     (a.out / "table.md").write_text(text + "\n")
-    svgs = plots(results, a.out, "")
+    svgs = plots(results, a.out.resolve(), "")
+    if a.page and svgs:
+        text += "\n\n" + " ".join(f"![{p.stem}]({os.path.relpath(p, a.page.resolve().parent)})" for p in svgs)
     print(text)
     print(f"\nwrote {store}, {a.out / 'table.md'}" + "".join(f", {p}" for p in svgs), file=sys.stderr)
     if a.page:
