@@ -8,8 +8,8 @@ pools), limited to ``--threads`` compute threads: numba + BLAS threads for gemma
 Both get the same prompt ids (the start of a fixed English text, BOS first, cut to
 ``--prompt-tokens``) and do the same work: prefill = the prompt through the model and the
 logits of its last position; decode = ``--new-tokens`` greedy steps (one token in, logits,
-argmax). Figures are medians of ``--runs`` after one warm-up (numba compilation, page faults),
-with the best run beside them (on a shared, noisy machine the best run is the steadier figure).
+argmax); a prompt longer than the text repeats it. Figures are medians of ``--runs`` after one
+warm-up (numba compilation, page faults), with the best run beside them (on a shared, noisy machine the best run is the steadier figure).
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def prompt_ids(n: int) -> list[int]:
     from gemmalite.formats.gguf_tokenizer import tokenizer_from_gguf_file
 
     ids = tokenizer_from_gguf_file(gemmalite.loader.resolve("gemma3-270m")).encode(TEXT)
-    if len(ids) < n:
-        raise SystemExit(f"the benchmark text has only {len(ids)} tokens, fewer than {n}")
+    more = ids[1:]  # a long prompt: the text again and again after one BOS
+    while len(ids) < n:
+        ids = ids + more
     return ids[:n]
 
 
@@ -55,7 +56,7 @@ def bench_gemmalite(ids: list[int], new_tokens: int, runs: int, threads: int) ->
     load_s = time.perf_counter() - t0
     run_once(model, ids, 4)  # warm-up
     pre, dec = zip(*(run_once(model, ids, new_tokens) for _ in range(runs)))
-    return {"load_s": load_s, "prefill_s": list(pre), "decode_s": list(dec)}
+    return {"load_s": load_s, "prefill_s": list(pre), "decode_s": list(dec), "peak_rss_bytes": _peak_rss()}
 
 
 def bench_llamacpp(ids: list[int], new_tokens: int, runs: int, threads: int) -> dict:
@@ -85,7 +86,14 @@ def bench_llamacpp(ids: list[int], new_tokens: int, runs: int, threads: int) -> 
 
     run_once(ids, 4)  # warm-up
     pre, dec = zip(*(run_once(ids, new_tokens) for _ in range(runs)))
-    return {"load_s": load_s, "prefill_s": list(pre), "decode_s": list(dec), "llama_cpp_python": llama_cpp.__version__}
+    return {"load_s": load_s, "prefill_s": list(pre), "decode_s": list(dec), "peak_rss_bytes": _peak_rss(),
+            "llama_cpp_python": llama_cpp.__version__}
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _path() -> Path:

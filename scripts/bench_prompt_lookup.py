@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Prompt lookup on the bundled Gemma 3 270M: a summarisation and an edit prompt, greedy chat,
 200 new tokens, with and without `prompt_lookup`, alternated twice; prints tokens/s and whether
-the texts are identical. Run by hand: `python scripts/bench_prompt_lookup.py`."""
+the texts are identical. Run by hand: `python scripts/bench_prompt_lookup.py [--new-tokens N] [--rounds R]`."""
+import argparse
 import json
 
 import gemmalite
@@ -19,14 +20,19 @@ PROMPTS = {
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=2, help="plain / lookup alternations per prompt")
+    a = ap.parse_args()
     model = gemmalite.load("gemma3-270m", context=2048)
     model.session().chat([{"role": "user", "content": "hi"}], max_new_tokens=4, temperature=0.0)  # warm up / compile
     for name, p in PROMPTS.items():
         msgs = [{"role": "user", "content": p}]
         res = {}
-        for rep in range(2):
+        for rep in range(a.rounds):
             for pl in (False, True):
-                s = model.session().chat(msgs, max_new_tokens=200, temperature=0.0, stream=True, prompt_lookup=pl)
+                s = model.session().chat(msgs, max_new_tokens=a.new_tokens, temperature=0.0, stream=True,
+                                         prompt_lookup=pl)
                 text = "".join(s)
                 st = s.stats
                 res.setdefault(pl, []).append((st.new_tokens / st.decode_s, st.new_tokens, st.draft_tokens,
