@@ -115,9 +115,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     threads_arg(p)
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="the decoder graph as a static ONNX decode graph (weights beside it)")
+    p = sub.add_parser("export", help="the decoder graph as static ONNX decode and prefill graphs (weights beside them)")
     p.add_argument("model", help="checkpoint folder or .gguf file (float weights)")
-    p.add_argument("out", help="folder to write decoder.onnx and decoder.onnx.data into")
+    p.add_argument("out", help="folder to write decoder.onnx, prefill.onnx and decoder.onnx.data into")
     p.add_argument("--format", choices=["onnx"], default="onnx")
     p.add_argument("--context", type=int, default=None, help="positions the full layers' caches hold")
     p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")

@@ -1,7 +1,8 @@
 """``gemmalite export MODEL OUT --format onnx``: the decoder graph as ONNX, written all or nothing.
 
-OUT gets ``decoder.onnx`` (the one-token decode graph, `gemmalite.backends.onnx.export`) and
-``decoder.onnx.data`` (its weights); the host side (tokenizer, tables, LM head) stays in MODEL.
+OUT gets ``decoder.onnx`` (the one-token decode graph, `gemmalite.backends.onnx.export`),
+``prefill.onnx`` (a fixed chunk) and ``decoder.onnx.data`` (the weights both share); the host
+side (tokenizer, tables, LM head) stays in MODEL.
 Like `convert`, the files go into a temporary folder beside OUT, are checked (``onnx.checker``)
 and flushed, and the folder is renamed into place.
 """
@@ -25,7 +26,7 @@ def export(src: str | Path, out: str | Path, fmt: str = "onnx", *, context: int 
     if fmt not in FORMATS:
         raise InputError(f"format must be one of {FORMATS}, got {fmt!r}")
     try:
-        from ..backends.onnx.export import check_file, export_decode
+        from ..backends.onnx.export import check_folder, export_graphs
     except ImportError as e:
         raise ConfigError(f"ONNX export needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
     import gemmalite
@@ -40,8 +41,8 @@ def export(src: str | Path, out: str | Path, fmt: str = "onnx", *, context: int 
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         tmp.chmod(0o777 & ~_umask())
-        path = export_decode(model.engine.graph, tmp, model.engine.context)
-        check_file(path)
+        export_graphs(model.engine.graph, tmp, model.engine.context)
+        check_folder(tmp)
         for f in tmp.rglob("*"):
             _fsync(f)
         _fsync(tmp)

@@ -2,9 +2,10 @@
 
 Tiny random float32 checkpoints built by transformers (`hf_oracle`, every weight random), with
 the seeds of the Gemma 4 parity variants (their float32 conditioning is checked there), and a
-Gemma 3 one. Per variant, over a 40-token prompt and 64 decode steps (104 positions: sliding
-windows of 8 and 4, so the rings of the graph wrap 13 and 26 times; KV-shared layers of both
-types read their sources' caches) the ONNX graph's logits are within 1e-4 of gemmalite's own
+Gemma 3 one. Per variant, over a 100-token prompt (the prefill graph: a chunk of 64, then 36 rows
+padded to 64) and 64 decode steps (164 positions: sliding windows of 8, 4 and 3, so the rings
+wrap within each chunk and every few steps; KV-shared layers of both types read their sources'
+caches) the ONNX graph's logits are within 1e-4 of gemmalite's own
 graph and of transformers at every step, and greedy decoding gives the same tokens and text.
 """
 from __future__ import annotations
@@ -18,12 +19,13 @@ from conftest import random_ids
 
 pytest.importorskip("onnxruntime")
 
-from gemmalite.backends.onnx.export import DATA_FILE, GRAPH_FILE, check_file, export_decode  # noqa: E402
+from gemmalite.backends.onnx.export import (DATA_FILE, GRAPH_FILE, PREFILL_CHUNK, PREFILL_FILE,  # noqa: E402
+                                           check_folder, export_graphs)
 from gemmalite.errors import ConfigError, ContextError, InputError  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
-CONTEXT = 128
-PROMPT, STEPS = 40, 64
+CONTEXT = 256
+PROMPT, STEPS = 100, 64  # the prompt: one full prefill chunk (64) and a padded one
 ATOL = 1e-4
 
 VARIANTS = {
@@ -84,6 +86,7 @@ def _run(model, prompt: list[int], follow: list[int] | None = None) -> tuple[np.
 
 def test_logits_match_own_graph_and_transformers(case):
     name, ref, ours, ort, _ = case
+    assert PREFILL_CHUNK < PROMPT < 2 * PREFILL_CHUNK and ort.engine.graph.chunk == PREFILL_CHUNK
     prompt = random_ids(PROMPT, 512, seed=7)
     got, toks = _run(ort, prompt)
     want, _ = _run(ours, prompt, toks)
@@ -116,10 +119,12 @@ def test_state_clone_and_truncate(case):
     x = e.decode_step(a, 5)
     np.testing.assert_array_equal(e.decode_step(b, 5), x)
     fresh = e.new_state()
-    np.testing.assert_array_equal(e.logits(e.prefill(fresh, np.array(ids + [5])))[0], x)
+    e.prefill(fresh, np.array(ids))
+    np.testing.assert_array_equal(e.decode_step(fresh, 5), x)
     assert a.truncate(20) and a.length == 20  # back one token: the ring slot it frees is written next
     other = e.new_state()
-    np.testing.assert_array_equal(e.decode_step(a, 7), e.logits(e.prefill(other, np.array(ids + [7])))[0])
+    e.prefill(other, np.array(ids))
+    np.testing.assert_array_equal(e.decode_step(a, 7), e.decode_step(other, 7))
     assert not a.truncate(10) and a.length == 21  # the wrapped sliding ring lost what position 10 needs
     assert a.clone(10) is None
     with pytest.raises(ContextError):
@@ -149,10 +154,10 @@ def test_export_cli_and_checker(case, tmp_path):
     name, _, _, _, path = case
     out = tmp_path / "onnx"
     assert main(["export", str(path), str(out), "--format", "onnx", "--context", "64"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted([GRAPH_FILE, DATA_FILE])
-    check_file(out / GRAPH_FILE)
+    assert sorted(p.name for p in out.iterdir()) == sorted([GRAPH_FILE, PREFILL_FILE, DATA_FILE])
+    check_folder(out)
     assert main(["export", str(path), str(out), "--context", "64"]) != 0  # not empty: refused, left intact
-    check_file(out / GRAPH_FILE)
+    check_folder(out)
 
 
 def test_unsupported_says_what(tmp_path, gl):
@@ -161,7 +166,7 @@ def test_unsupported_says_what(tmp_path, gl):
     path = write_small_checkpoint(tmp_path / "ckpt")
     q = gl.load(path, context=CONTEXT, quant="int8")
     with pytest.raises(ConfigError, match="Int8Matrix"):
-        export_decode(q.engine.graph, tmp_path, CONTEXT)
+        export_graphs(q.engine.graph, tmp_path, CONTEXT)
     assert not (tmp_path / GRAPH_FILE).exists()  # refused before anything was written
     with pytest.raises(InputError, match="quant must be None"):
         gl.load(path, backend="onnxruntime", quant="int8")

@@ -1,17 +1,21 @@
-"""The decoder graph as a static-shape ONNX DECODE graph (one token), built with ``onnx.helper``.
+"""The decoder graph as two static-shape ONNX graphs, built with ``onnx.helper``: a decode graph
+(one token, ``decoder.onnx``) and a prefill graph (a fixed chunk of T tokens, ``prefill.onnx``).
 
-It is cut at `DecoderGraph.forward`'s boundary, as an NPU build takes it:
+They are cut at `DecoderGraph.forward`'s boundary, as an NPU build takes it:
 
-    inputs   x0 [1, H] (scaled embedding), ple_rows [1, L*P] (scaled PLE token rows, with PLE),
-             position [1] int64, past_key_<i> / past_value_<i> [S_i, kv, D] per layer owning K/V
-    outputs  hidden [1, H] (final-normed), present_key_<i> / present_value_<i> (the updated caches)
+    inputs   x0 [T, H] (scaled embeddings), ple_rows [T, L*P] (scaled PLE token rows, with PLE),
+             position [1] int64 (the first row's), count [1] int64 (prefill: the real rows, the
+             rest padding), past_key_<i> / past_value_<i> [S_i, kv, D] per layer owning K/V
+    outputs  hidden [T, H] (final-normed), present_key_<i> / present_value_<i> (the updated caches)
 
 Sliding layers keep a ring of ``min(sliding_window, context)`` entries, full layers ``context``;
-the write slot (``position mod S``) and the masks (which position each slot holds) are computed
-inside the graph from the position, so the host only feeds the caches back. KV-shared layers
-attend to their source's updated cache. Masks are finite (`MASKED`). Weights are stored as
-float32 (bf16 / f16 widened) in one external data file beside the graph, written as they come,
-so memory stays flat whatever the model's size.
+the slots written (the last real row landing on each) and the masks (which position each slot
+holds, which rows each row sees) are computed inside the graph from the position and count, so
+the host only feeds the caches back; padding rows write nothing. Attention runs over the past
+slots followed by the call's own rows (a chunk longer than a ring needs its rows that the ring
+cannot hold). KV-shared layers attend to their source's keys. Masks are finite (`MASKED`).
+Weights are stored as float32 (bf16 / f16 widened) in one external data file both graphs share,
+written as they come, so memory stays flat whatever the model's size.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from ...weights.matrix import F32Matrix, HalfMatrix, Matrix
 OPSET = 18
 IR_VERSION = 9  # ONNX Runtime >= 1.18 reads IR 9
 GRAPH_FILE = "decoder.onnx"
+PREFILL_FILE = "prefill.onnx"
+PREFILL_CHUNK = 64  # tokens a prefill call takes (the last chunk of a prompt padded)
 DATA_FILE = "decoder.onnx.data"
 ALIGN = 4096  # external tensors start on page boundaries (providers may map them)
 INLINE_BYTES = 1024  # smaller constants stay in the graph file
@@ -72,39 +78,60 @@ def check_exportable(graph: DecoderGraph) -> None:
         raise ConfigError(f"ONNX export takes float weights; the PLE projection is {type(graph.ple.projection).__name__}")
 
 
-class _Builder:
-    """Nodes, initializers and the external data file of one graph."""
+class _Store:
+    """The external data file the graphs of one export share: a weight is written once, by name."""
 
     def __init__(self, data_path: Path):
-        self.nodes: list = []
-        self.inits: list = []
-        self._n = 0
         self._data = open(data_path, "wb")
         self._location = data_path.name
-        self._consts: dict = {}
+        self.tensors: dict[str, TensorProto] = {}
 
     def close(self) -> None:
         self._data.close()
 
+    def put(self, name: str, a: np.ndarray) -> TensorProto:
+        a = np.asarray(a, order="C")  # (not ascontiguousarray: it makes a scalar 1-d)
+        if a.nbytes <= INLINE_BYTES:
+            t = numpy_helper.from_array(a, name)
+        else:
+            pos = self._data.tell()
+            pad = -pos % ALIGN
+            self._data.write(b"\0" * pad)
+            t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(a.dtype), dims=a.shape)
+            for k, v in (("location", self._location), ("offset", str(pos + pad)), ("length", str(a.nbytes))):
+                t.external_data.add(key=k, value=v)
+            t.data_location = TensorProto.EXTERNAL
+            self._data.write(a.tobytes())
+        self.tensors[name] = t
+        return t
+
+
+class _Builder:
+    """Nodes and initializers of one graph (weights from the shared `_Store`; ``tag`` keeps the
+    graph's own constants apart from the other graph's)."""
+
+    def __init__(self, store: _Store, tag: str):
+        self.nodes: list = []
+        self.inits: list = []
+        self._have: set[str] = set()
+        self._n = 0
+        self._store = store
+        self._tag = tag
+        self._consts: dict = {}
+
     def name(self, hint: str) -> str:
         self._n += 1
-        return f"{hint}_{self._n}"
+        return f"{self._tag}{hint}_{self._n}"
 
-    def weight(self, name: str, a: np.ndarray) -> str:
-        """An initializer: in the data file when big, in the graph file otherwise."""
-        a = np.ascontiguousarray(a)
-        if a.nbytes <= INLINE_BYTES:
-            self.inits.append(numpy_helper.from_array(a, name))
-            return name
-        pos = self._data.tell()
-        pad = -pos % ALIGN
-        self._data.write(b"\0" * pad)
-        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(a.dtype), dims=a.shape)
-        for k, v in (("location", self._location), ("offset", str(pos + pad)), ("length", str(a.nbytes))):
-            t.external_data.add(key=k, value=v)
-        t.data_location = TensorProto.EXTERNAL
-        self._data.write(a.tobytes())
-        self.inits.append(t)
+    def has(self, name: str) -> bool:
+        return name in self._store.tensors
+
+    def weight(self, name: str, a: np.ndarray | None = None) -> str:
+        """An initializer (written to the store unless it holds ``name`` already; then ``a`` may be None)."""
+        if name not in self._have:
+            t = self._store.tensors.get(name) or self._store.put(name, a)
+            self.inits.append(t)
+            self._have.add(name)
         return name
 
     def const(self, value, dtype=np.float32) -> str:
@@ -124,7 +151,8 @@ class _Builder:
 
     def matmul(self, x: str, m: Matrix, name: str) -> str:
         """``x @ W.T`` with ``W.T`` stored float32 ``[in, out]``."""
-        return self.op("MatMul", x, self.weight(name, np.ascontiguousarray(m.dense().T, dtype=np.float32)))
+        w = None if self.has(name) else np.ascontiguousarray(m.dense().T, dtype=np.float32)
+        return self.op("MatMul", x, self.weight(name, w))
 
     def rms(self, x: str, w: np.ndarray | None, eps: float, name: str = "") -> str:
         """``x / sqrt(mean(x^2) + eps) * w`` over the last axis."""
@@ -141,7 +169,7 @@ class _Builder:
         return self.op("Mul", self.op("Mul", t, self.const(0.5)), b)
 
     def rope(self, x: str, cos: str, sin: str, d: int) -> str:
-        """Rotate-half RoPE on ``x [heads, D]`` with ``cos``/``sin`` ``[1, D/2]``."""
+        """Rotate-half RoPE on ``x [T, heads, D]`` with ``cos``/``sin`` ``[T, 1, D/2]``."""
         h = d // 2
         x1 = self.op("Slice", x, self.const([0], np.int64), self.const([h], np.int64), self.const([-1], np.int64))
         x2 = self.op("Slice", x, self.const([h], np.int64), self.const([d], np.int64), self.const([-1], np.int64))
@@ -153,33 +181,42 @@ class _Builder:
         return self.op("Reshape", x, self.const(list(shape), np.int64))
 
 
-def export_decode(graph: DecoderGraph, out_dir: str | Path, context: int) -> Path:
-    """Write ``decoder.onnx`` + ``decoder.onnx.data`` into ``out_dir`` (which must exist): the
-    decode graph of ``graph`` for caches of ``context`` positions. Returns the graph file's path."""
+def export_graphs(graph: DecoderGraph, out_dir: str | Path, context: int, chunk: int = PREFILL_CHUNK) -> Path:
+    """Write ``decoder.onnx`` (one token), ``prefill.onnx`` (``chunk`` tokens) and the weights they
+    share, ``decoder.onnx.data``, into ``out_dir`` (which must exist), for caches of ``context``
+    positions (the chunk at most ``context``). Returns the decode graph's path."""
     check_exportable(graph)
     cfg = graph.cfg
     if not 1 <= context <= cfg.max_position_embeddings:
         raise ConfigError(f"context must be 1..{cfg.max_position_embeddings}, got {context}")
+    if chunk < 2:
+        raise ConfigError(f"the prefill chunk must be at least 2 tokens, got {chunk}")
+    chunk = max(2, min(chunk, context))  # no longer than a prompt can be
     out_dir = Path(out_dir)
-    b = _Builder(out_dir / DATA_FILE)
+    store = _Store(out_dir / DATA_FILE)
     try:
-        model = _build(b, graph, context)
+        models = {f: _build(_Builder(store, tag), graph, context, t)
+                  for f, tag, t in ((GRAPH_FILE, "d", 1), (PREFILL_FILE, "p", chunk))}
     finally:
-        b.close()
-    path = out_dir / GRAPH_FILE
-    onnx.save_model(model, str(path))
-    return path
+        store.close()
+    for f, model in models.items():
+        onnx.save_model(model, str(out_dir / f))
+    return out_dir / GRAPH_FILE
 
 
-def _build(b: _Builder, graph: DecoderGraph, context: int) -> onnx.ModelProto:
+def _build(b: _Builder, graph: DecoderGraph, context: int, T: int) -> onnx.ModelProto:
+    """The graph for ``T`` rows at positions ``position + 0..T-1``; the first ``count`` rows are
+    real (``T > 1``: the last chunk of a prompt is padded), only they are written to the caches."""
     cfg = graph.cfg
     H, L, P, nq, eps = cfg.hidden_size, cfg.num_hidden_layers, cfg.ple_dim, cfg.num_attention_heads, cfg.rms_norm_eps
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [helper.make_tensor_value_info("x0", f32, [1, H])]
+    inputs = [helper.make_tensor_value_info("x0", f32, [T, H])]
     if graph.ple is not None:
-        inputs.append(helper.make_tensor_value_info("ple_rows", f32, [1, L * P]))
+        inputs.append(helper.make_tensor_value_info("ple_rows", f32, [T, L * P]))
     inputs.append(helper.make_tensor_value_info("position", i64, [1]))
-    outputs = [helper.make_tensor_value_info("hidden", f32, [1, H])]
+    if T > 1:
+        inputs.append(helper.make_tensor_value_info("count", i64, [1]))
+    outputs = [helper.make_tensor_value_info("hidden", f32, [T, H])]
     specs = {c.layer: c for c in cache_specs(cfg, context)}
     for c in specs.values():
         shape = [c.size, c.kv_heads, c.head_dim]
@@ -188,38 +225,49 @@ def _build(b: _Builder, graph: DecoderGraph, context: int) -> onnx.ModelProto:
         outputs += [helper.make_tensor_value_info(nk, f32, shape), helper.make_tensor_value_info(nv, f32, shape)]
 
     pos = "position"
-    posf = b.reshape(b.op("Cast", pos, to=f32), [1, 1])
+    count = "count" if T > 1 else b.const([1], np.int64)
+    rows = b.const(np.arange(T), np.int64)
+    tpos = b.op("Add", pos, rows)  # [T] each row's position
+    posf = b.reshape(b.op("Cast", tpos, to=f32), [T, 1])
     ropes = {}
     for r, inv in graph._inv_freq.items():
-        ang = b.op("Mul", posf, b.weight(b.name("inv_freq"), inv.reshape(1, -1)))
-        ropes[r] = (b.op("Cos", ang), b.op("Sin", ang))
+        ang = b.op("Mul", posf, b.weight(b.name("inv_freq"), inv.reshape(1, -1).astype(np.float32)))
+        ropes[r] = (b.reshape(b.op("Cos", ang), [T, 1, -1]), b.reshape(b.op("Sin", ang), [T, 1, -1]))
 
-    masks: dict[tuple[int, bool], tuple[str, str]] = {}
+    masks: dict[int, tuple] = {}
 
-    def slot_and_mask(c: CacheSpec) -> tuple[str, str]:
-        """The write index ``[1, 1]`` and the visible slots ``[S]`` (bool) of a cache at this position."""
-        key = (c.size, c.sliding)
-        if key not in masks:
-            slots = b.const(np.arange(c.size), np.int64)
-            if c.sliding:
-                size = b.const([c.size], np.int64)  # slot s holds position p - ((p - s) mod S): visible once written
-                held = b.op("Sub", pos, b.op("Mod", b.op("Add", b.op("Sub", pos, slots), size), size))
-                vis = b.op("Not", b.op("Less", held, b.const([0], np.int64)))
-                idx = b.op("Mod", pos, size)
-            else:  # slot s holds position s
-                vis = b.op("LessOrEqual", slots, pos)
-                idx = pos
-            masks[key] = (b.reshape(idx, [1, 1]), vis)
-        return masks[key]
+    def cache_plan(c: CacheSpec):
+        """For a cache of S slots (a ring, or the context for full layers, where the formulas
+        reduce to slot = position): the visible keys ``[T, S + T]`` (past slots, then the rows),
+        and per slot whether a real row writes it (``[S, 1, 1]``) and which (``[S]``, the last)."""
+        S = c.size
+        if S not in masks:
+            slots, size = b.const(np.arange(S), np.int64), b.const([S], np.int64)
+            one = b.const([1], np.int64)
+
+            def last_at_or_before(p: str) -> str:  # the last position <= p that slot s holds
+                return b.op("Sub", p, b.op("Mod", b.op("Add", b.op("Sub", p, slots), size), size))
+
+            held = last_at_or_before(b.op("Sub", pos, one))  # before this call; < 0: never written
+            past = b.op("And", b.op("Not", b.op("Less", held, b.const([0], np.int64))),
+                        b.op("Less", b.op("Sub", b.reshape(tpos, [T, 1]), held), size))
+            d = np.arange(T)[:, None] - np.arange(T)[None, :]
+            near = b.const((d >= 0) & (d < S), np.bool_)  # causal, within the window
+            own = b.op("And", near, b.op("Less", b.reshape(rows, [1, T]), count))
+            last = last_at_or_before(b.op("Sub", b.op("Add", pos, count), one))
+            writes = b.reshape(b.op("Not", b.op("Less", last, pos)), [S, 1, 1])
+            which = b.op("Max", b.op("Sub", last, pos), b.const([0], np.int64))
+            masks[S] = (b.op("Concat", past, own, axis=1), writes, which)
+        return masks[S]
 
     h = "x0"
     ple = None
     if graph.ple is not None:
         ctx = b.op("Mul", b.matmul(h, graph.ple.projection, "ple.projection"), b.const(H ** -0.5))
-        ctx = b.rms(b.reshape(ctx, [L, P]), graph.ple.norm, eps, "ple.norm")
-        ple = b.op("Mul", b.op("Add", ctx, b.reshape("ple_rows", [L, P])), b.const(2.0 ** -0.5))
+        ctx = b.rms(b.reshape(ctx, [T, L, P]), graph.ple.norm, eps, "ple.norm")
+        ple = b.op("Mul", b.op("Add", ctx, b.reshape("ple_rows", [T, L, P])), b.const(2.0 ** -0.5))
 
-    caches: dict[int, tuple[str, str]] = {}  # layer -> its updated K, V
+    caches: dict[int, tuple[str, str]] = {}  # layer -> its keys / values: past slots, then the rows
     for s, w in zip(cfg.layers, graph.layers):
         p, D, kv = f"layers.{s.index}.", s.head_dim, s.num_kv_heads
         bias = w.bias or {}
@@ -230,32 +278,36 @@ def _build(b: _Builder, graph: DecoderGraph, context: int) -> onnx.ModelProto:
             return b.op("Add", y, b.weight(p + attr + ".bias", bias[attr])) if attr in bias else y
 
         a = b.rms(h, w.ln_in, eps, p + "ln_in")
-        q = b.rope(b.rms(b.reshape(proj(a, "q"), [nq, D]), w.q_norm, eps, p + "q_norm"), cos, sin, D)
+        q = b.rope(b.rms(b.reshape(proj(a, "q"), [T, nq, D]), w.q_norm, eps, p + "q_norm"), cos, sin, D)
         c = specs.get(s.kv_source)
-        idx, vis = slot_and_mask(c)
+        vis, writes, which = cache_plan(c)
         if s.owns_kv:
-            kraw = b.reshape(proj(a, "k"), [kv, D])
-            vraw = kraw if s.k_eq_v else b.reshape(proj(a, "v"), [kv, D])
+            kraw = b.reshape(proj(a, "k"), [T, kv, D])
+            vraw = kraw if s.k_eq_v else b.reshape(proj(a, "v"), [T, kv, D])
             k = b.rope(b.rms(kraw, w.k_norm, eps, p + "k_norm"), cos, sin, D)
             v = b.rms(vraw, None, eps) if cfg.v_norm else vraw
             pk, pv, nk, nv = c.names
-            caches[s.index] = (b.op("ScatterND", pk, idx, b.reshape(k, [1, kv, D]), out=nk),
-                               b.op("ScatterND", pv, idx, b.reshape(v, [1, kv, D]), out=nv))
+            b.op("Where", writes, b.op("Gather", k, which, axis=0), pk, out=nk)
+            b.op("Where", writes, b.op("Gather", v, which, axis=0), pv, out=nv)
+            caches[s.index] = (b.op("Concat", pk, k, axis=0), b.op("Concat", pv, v, axis=0))
         K, V = caches[s.kv_source]
-        scores = b.op("MatMul", b.reshape(q, [kv, nq // kv, D]), b.op("Transpose", K, perm=[1, 2, 0]))
+        n = c.size + T
+        qh = b.reshape(b.op("Transpose", q, perm=[1, 0, 2]), [kv, nq // kv, T, D])
+        scores = b.op("MatMul", qh, b.reshape(b.op("Transpose", K, perm=[1, 2, 0]), [kv, 1, D, n]))
         if cfg.attn_scale != 1.0:
             scores = b.op("Mul", scores, b.const(cfg.attn_scale))
         scores = b.op("Where", vis, scores, b.const(MASKED))
-        o = b.op("MatMul", b.op("Softmax", scores, axis=-1), b.op("Transpose", V, perm=[1, 0, 2]))
-        o = proj(b.reshape(o, [1, nq * D]), "o")
+        o = b.op("MatMul", b.op("Softmax", scores, axis=-1),
+                 b.reshape(b.op("Transpose", V, perm=[1, 0, 2]), [kv, 1, n, D]))
+        o = b.reshape(b.op("Transpose", b.reshape(o, [nq, T, D]), perm=[1, 0, 2]), [T, nq * D])
+        o = proj(o, "o")
         h = b.op("Add", h, b.rms(o, w.ln_post_attn, eps, p + "ln_post_attn"))
 
         m = b.rms(h, w.ln_pre_ff, eps, p + "ln_pre_ff")
         m = b.matmul(b.gelu_mul(b.matmul(m, w.gate, p + "gate"), b.matmul(m, w.up, p + "up")), w.down, p + "down")
         h = b.op("Add", h, b.rms(m, w.ln_post_ff, eps, p + "ln_post_ff"))
         if ple is not None:
-            row = b.op("Slice", ple, b.const([s.index], np.int64), b.const([s.index + 1], np.int64),
-                       b.const([0], np.int64))
+            row = b.op("Gather", ple, b.const(s.index, np.int64), axis=1)  # [T, P]
             g = b.gelu_mul(b.matmul(h, w.ple_gate, p + "ple_gate"), row)
             h = b.op("Add", h, b.rms(b.matmul(g, w.ple_proj, p + "ple_proj"), w.ple_norm, eps, p + "ple_norm"))
         if w.layer_scalar is not None:
@@ -263,10 +315,11 @@ def _build(b: _Builder, graph: DecoderGraph, context: int) -> onnx.ModelProto:
     b.rms(h, graph.final_norm, eps, "final_norm")
     b.nodes[-1].output[0] = "hidden"
 
-    g = helper.make_graph(b.nodes, "gemmalite_decode", inputs, outputs, b.inits)
+    g = helper.make_graph(b.nodes, "gemmalite_decode" if T == 1 else "gemmalite_prefill", inputs, outputs, b.inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="gemmalite")
     model.ir_version = IR_VERSION
     model.metadata_props.add(key="gemmalite.context", value=str(context))
+    model.metadata_props.add(key="gemmalite.rows", value=str(T))
     model.metadata_props.add(key="gemmalite.family", value=cfg.family)
     return model
 
@@ -276,5 +329,11 @@ def check_file(path: str | Path) -> None:
     onnx.checker.check_model(str(path), full_check=True)
 
 
-__all__ = ["export_decode", "cache_specs", "check_exportable", "check_file", "CacheSpec", "GRAPH_FILE",
-           "DATA_FILE"]
+def check_folder(out_dir: str | Path) -> None:
+    """The checker on both graphs of an export."""
+    for f in (GRAPH_FILE, PREFILL_FILE):
+        check_file(Path(out_dir) / f)
+
+
+__all__ = ["export_graphs", "cache_specs", "check_exportable", "check_file", "check_folder", "CacheSpec",
+           "GRAPH_FILE", "PREFILL_FILE", "DATA_FILE", "PREFILL_CHUNK"]

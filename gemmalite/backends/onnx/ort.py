@@ -2,9 +2,10 @@
 
 `OrtGraph` has `new_state` / `forward` / `forward_batch` / `forward_many`; its `OrtState` holds
 the caches as numpy arrays (zeroed: masked slots must hold finite numbers, since a masked
-score's weight is an exact 0 times the slot's value). Every row runs the one-token graph, so a
-prompt costs one call per token (no prefill graph yet), and a batched or prompt-lookup row is
-exactly the one-token step it stands for.
+score's weight is an exact 0 times the slot's value). `forward` (a prompt) runs the prefill graph
+a chunk at a time (the last one padded) and a single row through the decode graph; batched and
+prompt-lookup rows (`forward_batch`) each run the one-token graph, so each is exactly the step it
+stands for.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from ...errors import ConfigError, ContextError
 from ...models.gemma.graph import DecoderGraph
 from ...runtime.cache import KVState
-from .export import CacheSpec, cache_specs, export_decode
+from .export import GRAPH_FILE, PREFILL_FILE, CacheSpec, cache_specs, export_graphs
 
 
 class OrtState(KVState):
@@ -67,9 +68,9 @@ class OrtState(KVState):
 
 
 class OrtGraph:
-    """A decode graph exported for one context length, run by an ``onnxruntime.InferenceSession``."""
+    """The graphs exported for one context length (a folder), each run by an ``onnxruntime.InferenceSession``."""
 
-    def __init__(self, path: str | Path, graph: DecoderGraph, context: int, providers: list | None = None,
+    def __init__(self, folder: str | Path, graph: DecoderGraph, context: int, providers: list | None = None,
                  threads: int | None = None):
         import onnxruntime as ort
 
@@ -88,16 +89,19 @@ class OrtGraph:
         self.context = context
         self.specs = cache_specs(graph.cfg, context)
         self.has_ple = graph.ple is not None
-        self.session = ort.InferenceSession(str(path), opts, providers=providers)
-        self.path = Path(path)
+        self.path = Path(folder)
+        self.session = ort.InferenceSession(str(self.path / GRAPH_FILE), opts, providers=providers)
+        self.prefill = ort.InferenceSession(str(self.path / PREFILL_FILE), opts, providers=providers)
+        self.chunk = int(self.prefill.get_inputs()[0].shape[0])
 
     @classmethod
     def export(cls, graph: DecoderGraph, context: int, providers: list | None = None,
-               threads: int | None = None) -> "OrtGraph":
+               threads: int | None = None, chunk: int | None = None) -> "OrtGraph":
         """Export ``graph`` into a temporary folder (removed with the returned object) and open it."""
         tmp = tempfile.TemporaryDirectory(prefix="gemmalite-onnx-")
         try:
-            out = cls(export_decode(graph, tmp.name, context), graph, context, providers, threads)
+            export_graphs(graph, tmp.name, context, *(() if chunk is None else (chunk,)))
+            out = cls(tmp.name, graph, context, providers, threads)
         except BaseException:
             tmp.cleanup()
             raise
@@ -109,32 +113,38 @@ class OrtGraph:
             raise ContextError(f"this ONNX graph was exported for a context of {self.context}, not {context}")
         return OrtState(self.specs, context)
 
-    def _step(self, state: OrtState, x: np.ndarray, ple: np.ndarray | None) -> np.ndarray:
-        """One token at ``state.length``: its final-normed hidden state ``[1, H]``; caches replaced."""
-        feeds = {"x0": np.ascontiguousarray(x, np.float32).reshape(1, -1),
-                 "position": np.array([state.length], np.int64)}
+    def _call(self, state: OrtState, x: np.ndarray, ple: np.ndarray | None) -> np.ndarray:
+        """Rows at ``state.length`` through the decode graph (one) or the prefill graph (up to a
+        chunk, padded): their final-normed hidden states ``[n, H]``; caches replaced."""
+        n = x.shape[0]
+        sess, T = (self.session, 1) if n == 1 else (self.prefill, self.chunk)
+        feeds = {"x0": _pad(x, T), "position": np.array([state.length], np.int64)}
+        if T > 1:
+            feeds["count"] = np.array([n], np.int64)
         if self.has_ple:
-            feeds["ple_rows"] = np.ascontiguousarray(ple, np.float32).reshape(1, -1)
+            feeds["ple_rows"] = _pad(ple, T)
         for c in self.specs:
             feeds[c.names[0]], feeds[c.names[1]] = state.caches[c.layer]
-        out = self.session.run(None, feeds)
+        out = sess.run(None, feeds)
         for j, c in enumerate(self.specs):
             state.caches[c.layer] = (out[1 + 2 * j], out[2 + 2 * j])
-        state.length += 1
-        return out[0]
+        state.length += n
+        return out[0][:n]
 
-    def _rows(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray:
+    def _rows(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None, step: int) -> np.ndarray:
+        """The rows ``step`` at a time (1: each through the decode graph)."""
         if state.length + x0.shape[0] > state.context:
             raise ContextError(f"sequence of {state.length + x0.shape[0]} tokens exceeds the context of {state.context}")
-        return np.concatenate([self._step(state, x0[t], None if ple_rows is None else ple_rows[t])
-                               for t in range(x0.shape[0])])
+        return np.concatenate([self._call(state, x0[t:t + step], None if ple_rows is None else ple_rows[t:t + step])
+                               for t in range(0, x0.shape[0], step)])
 
     def forward(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None, keep=None,
                 capture: list | None = None) -> np.ndarray:
-        """`DecoderGraph.forward`: every row through the decode graph; the final hidden states of ``keep``."""
+        """`DecoderGraph.forward`: the rows through the prefill graph a chunk at a time; the final hidden
+        states of ``keep``."""
         if capture is not None:
             raise ConfigError("per-layer hidden states (capture) are not available on the onnxruntime backend")
-        h = self._rows(state, x0, ple_rows)
+        h = self._rows(state, x0, ple_rows, self.chunk)
         return h if keep is None else h[np.asarray(keep, dtype=np.int64)]
 
     def forward_batch(self, states: list[OrtState], x0: np.ndarray, ple_rows: np.ndarray | None,
@@ -144,7 +154,7 @@ class OrtGraph:
             if n < 1 or s.length + n > s.context:
                 raise ContextError(f"a step of {n} tokens does not fit a sequence of {s.length} in {s.context}")
         ends = np.cumsum(counts)
-        return np.concatenate([self._rows(s, x0[e - n:e], None if ple_rows is None else ple_rows[e - n:e])
+        return np.concatenate([self._rows(s, x0[e - n:e], None if ple_rows is None else ple_rows[e - n:e], 1)
                                for s, n, e in zip(states, counts, ends)])
 
     def forward_many(self, states: list[OrtState], x0: np.ndarray, ple_rows: np.ndarray | None,
@@ -152,3 +162,13 @@ class OrtGraph:
         ends = np.cumsum(counts)
         return np.concatenate([self.forward(s, x0[e - n:e], None if ple_rows is None else ple_rows[e - n:e],
                                             keep=[n - 1]) for s, n, e in zip(states, counts, ends)])
+
+
+def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+    """``a`` as float32 ``[rows, ...]``, zero rows after its own (finite padding)."""
+    a = np.asarray(a, np.float32).reshape(a.shape[0], -1)
+    if a.shape[0] == rows:
+        return np.ascontiguousarray(a)
+    out = np.zeros((rows, a.shape[1]), np.float32)
+    out[:a.shape[0]] = a
+    return out
