@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import common
-from .common import TOKEN_TILE, among, either, literal_ladder
+from .common import TOKEN_TILE, among, either, literal_ladder, prefetch
 from .simd import (
     _EXACT,
     _F32,
@@ -43,7 +43,8 @@ from .simd import (
     _vpdpbusd,
 )
 
-__all__ = ["activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mvn_w4a8", "i4s_pack", "int4s_rows_dot", "round_i8_pairs"]
+__all__ = ["activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack", "int4s_rows_dot",
+           "int4s_tile_dot", "round_i8_pairs", "token_groups"]
 
 _JIT = dict(cache=True, error_model="numpy", boundscheck=False)
 _FAST = dict(_JIT, fastmath=True)
@@ -370,3 +371,146 @@ def i4s_matvec(packed, scales, x, rows_per_task, vnni, out):
     makes hundreds; each call from Python costs microseconds)."""
     xq, xc, xd = activation_pairs(x)
     i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out)
+
+
+# --------------------------------------------------------------------------- prefill tiles
+
+
+def token_groups(xc: np.ndarray, xd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`round_i8_pairs`' per-block terms (``T`` a multiple of 4, an even number of blocks) as the
+    prefill tiles take them: per group of 4 activation rows and pair of blocks ``p``, eight lanes
+    ``[rows 0-3 of block 2p | rows 0-3 of block 2p+1]`` (the lanes of `int4s_tile_dot`'s block sums):
+    ``xc4`` int32 ``-8 * sum`` of the block's int8 values, ``xd4`` float32 its step; ``[T // 4, 4 * nblocks]``."""
+    t, nb = xc.shape
+    lanes = lambda a: np.ascontiguousarray(a.reshape(t // 4, 4, nb // 2, 2).transpose(0, 2, 3, 1).reshape(t // 4, 4 * nb))  # noqa: E731
+    return lanes(4 * xc), lanes(xd)
+
+
+def _phadd(builder):
+    """``llvm.x86.avx2.phadd.d``: pairwise int32 sums of a then b, per 128-bit half."""
+    v8 = _vec(_I32, 8)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8]), "llvm.x86.avx2.phadd.d")
+
+
+def _dot2(builder, vnni: bool):
+    """``(lo, x0, hi, x1) -> lo . x0 + hi . x1`` per int32 lane (four u8 x s8 products of each pair):
+    two ``vpdpbusd`` where asked and the CPU has them, else two ``vpmaddubsw`` summed in int16 (|2 * 2
+    * 15 * 127| < 2^15) and one ``vpmaddwd`` by ones. Exactly the same integers."""
+    v8 = _vec(_I32, 8)
+    if vnni and _CPU_VNNI:
+        fn = _vpdpbusd(builder)
+        zero = ir.Constant(v8, [0] * 8)
+        return lambda lo, x0, hi, x1: builder.call(fn, [builder.call(fn, [zero, builder.bitcast(lo, v8),
+                                                                           builder.bitcast(x0, v8)]),
+                                                         builder.bitcast(hi, v8), builder.bitcast(x1, v8)])
+    mubs, madd = _pmaddubsw(builder), _pmadd(builder)
+    ones = ir.Constant(_vec(_I16, 16), [1] * 16)
+    return lambda lo, x0, hi, x1: builder.call(madd, [builder.add(builder.call(mubs, [lo, x0]),
+                                                                  builder.call(mubs, [hi, x1])), ones])
+
+
+def _int4s_tile_codegen(nrows: int, vnni: bool):
+    """IR of `int4s_tile_dot`: ``nrows`` weight rows x the 4 activation rows of token group ``tg``.
+
+    Per pair of blocks, row and token: the 32 packed bytes' low nibbles against ``xq[64p : 64p +
+    32]`` and the high ones against the next 32 (lanes 0-3: block 2p's partial sums, 4-7: block
+    2p+1's), the four tokens' vectors folded by two rounds of ``vphaddd`` into one vector of
+    exact block sums ``[tokens 0-3 of 2p | tokens 0-3 of 2p+1]``, plus ``xc4`` (the -8 offset),
+    converted once and FMA'd, times ``d_w * xd4``, into one float32 lane per (token, block
+    parity); the two parities added at the end. One conversion and FMA per 256 products, where
+    the decode tile (`int4s_rows_dot`) takes one per 64. Each lane's float sequence is its own
+    (token, row), whatever the other tokens: a token's result does not depend on its group."""
+    def codegen(builder, wa, sa, xqa, xca, xda, r0, tg, oa):
+        npair = builder.lshr(sa.shape[1], _c64(1))
+        n = oa.shape[1]
+        dot2, phadd = _dot2(builder, vnni), _phadd(builder)
+        rows = _span(builder, r0, nrows)
+        toks = _span(builder, builder.mul(tg, _c64(4)), 4)
+        wrow, srow, xrow = wa.rows(builder, rows), sa.rows(builder, rows), xqa.rows(builder, toks)
+        (crow,), (drow,) = xca.rows(builder, [tg]), xda.rows(builder, [tg])
+        f8 = _vec(_F32, 8)
+        half2 = ir.VectorType(ir.HalfType(), 2)
+        spread = ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1])
+        entry, head, body, done = _open_loop(builder, "int4s.tile")
+        p = builder.phi(_I64)
+        p.add_incoming(_c64(0), entry)
+        facc = []
+        for _ in range(nrows):
+            facc.append(builder.phi(f8))
+            facc[-1].add_incoming(ir.Constant(f8, [0.0] * 8), entry)
+        builder.cbranch(builder.icmp_signed("<", p, npair), body, done)
+
+        builder.position_at_end(body)
+        xo = builder.mul(p, _c64(64))
+        xs = [(_load_vec(builder, x, xo, _vec(_I8, 32)), _load_vec(builder, x, builder.add(xo, _c64(32)), _vec(_I8, 32)))
+              for x in xrow]
+        c = _load_vec(builder, crow, builder.mul(p, _c64(8)), _vec(_I32, 8))
+        xd = _load_vec(builder, drow, builder.mul(p, _c64(8)), f8)
+        for i in range(nrows):
+            w = _load_vec(builder, wrow[i], builder.mul(p, _c64(32)), _vec(_I8, 32))
+            lo = builder.and_(w, ir.Constant(_vec(_I8, 32), [15] * 32))
+            hi = builder.lshr(w, ir.Constant(_vec(_I8, 32), [4] * 32))
+            a = [dot2(lo, x0, hi, x1) for x0, x1 in xs]
+            sums = builder.add(builder.call(phadd, [builder.call(phadd, [a[0], a[1]]),
+                                                    builder.call(phadd, [a[2], a[3]])]), c)
+            two = builder.load(builder.bitcast(builder.gep(srow[i], [builder.mul(p, _c64(2))], inbounds=True),
+                                               half2.as_pointer()), align=2)
+            two = builder.fpext(two, _vec(_F32, 2))
+            sc = builder.fmul(builder.shuffle_vector(two, two, spread), xd, flags=_EXACT)
+            facc[i].add_incoming(_fma(builder, builder.sitofp(sums, f8), sc, facc[i]), body)
+        p.add_incoming(builder.add(p, _c64(1)), body)
+        builder.branch(head)
+
+        builder.position_at_end(done)
+        for i in range(nrows):
+            lo = builder.shuffle_vector(facc[i], facc[i], ir.Constant(_vec(_I32, 4), [0, 1, 2, 3]))
+            hi = builder.shuffle_vector(facc[i], facc[i], ir.Constant(_vec(_I32, 4), [4, 5, 6, 7]))
+            res = builder.fadd(lo, hi, flags=_EXACT)
+            for j in range(4):
+                at = builder.add(builder.mul(toks[j], n), rows[i])
+                builder.store(builder.extract_element(res, ir.Constant(_I32, j)),
+                              builder.gep(oa.data, [at], inbounds=True))
+
+    return codegen
+
+
+@intrinsic
+def int4s_tile_dot(typingctx, packed, scales, xq, xc4, xd4, r0, tg, out, nrows, vnni):
+    """``out[4tg + j, r] = sum_g f16(scales[r, g]) * step[4tg + j, g] * sum_i (n[r, g, i] - 8) *
+    x8[4tg + j, g, i]`` for rows ``r0 .. r0 + nrows - 1`` of a symmetric int4 matrix with an even
+    number of blocks per row and the four activation rows of token group ``tg`` (``xq`` from
+    `round_i8_pairs`, ``xc4``/``xd4`` from `token_groups`). ``nrows`` (1-4) and ``vnni`` (0, 1)
+    literals; needs AVX2."""
+    if not (_literal(nrows, range(1, 5)) and _literal(vnni, (0, 1))):
+        return None
+    inner = _int4s_tile_codegen(nrows.literal_value, bool(vnni.literal_value))
+    return types.void(packed, scales, xq, xc4, xd4, r0, tg, out, nrows, vnni), _codegen(inner, 8)
+
+
+_tile = literal_ladder(
+    "_tile(packed, scales, xq, xc4, xd4, r, tg, out, four, vnni)",
+    "int4s_tile_dot(packed, scales, xq, xc4, xd4, r, tg, out, {R}, {V})",
+    dict(int4s_tile_dot=int4s_tile_dot), V=either("vnni", 1, 0), R=either("four", 4, 1))
+
+PREFETCH_STRIPS = 2  # prefill: 4-row strips ahead whose weights are prefetched
+
+
+@njit(parallel=True, **_FAST)
+def i4s_mm_w4a8(packed, scales, xq, xc4, xd4, g_lo, g_hi, vnni, out):
+    """Prefill (W4A8, the decode kernels' activation rounding): token groups ``g_lo .. g_hi - 1``
+    (rows ``4 g_lo .. 4 g_hi - 1`` of ``out``), each task one strip of 4 weight rows against all of
+    them (the strip stays in L1, the activations in L2), the strip PREFETCH_STRIPS ahead
+    prefetched; rows past the last whole strip one at a time."""
+    n, kb = packed.shape
+    for b in prange((n + 3) // 4):
+        r = 4 * b
+        ahead = (r + 4 * PREFETCH_STRIPS) * kb
+        for off in range(0, min(4 * kb, n * kb - ahead), 64):
+            prefetch(packed, ahead + off)
+        if r + 4 <= n:
+            for tg in range(g_lo, g_hi):
+                _tile(packed, scales, xq, xc4, xd4, r, tg, out, True, vnni)
+        else:
+            for i in range(r, n):
+                for tg in range(g_lo, g_hi):
+                    _tile(packed, scales, xq, xc4, xd4, i, tg, out, False, vnni)

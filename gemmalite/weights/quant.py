@@ -66,7 +66,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import common
-from ..kernels.int4s import i4s_fit, i4s_matvec, i4s_pack
+from ..kernels.int4s import activation_pairs, i4s_fit, i4s_matvec, i4s_mm_w4a8, i4s_pack, token_groups
 from ..kernels.quant import (
     group_sums,
     i4_dequant_ids,
@@ -132,6 +132,16 @@ def _round_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
     round_u8_rows(x, xu, xd)
     return xu, xd
+
+
+def _round_w4a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x as the int4 prefill tiles take it: rows padded with zeros to a multiple of 4, int8 per 32
+    values (`int4s.round_i8_pairs`), the block terms per group of 4 rows (`int4s.token_groups`)."""
+    t, k = x.shape
+    if t % 4:
+        x = np.concatenate([x, np.zeros((-t % 4, k), np.float32)])
+    xq, xc, xd = activation_pairs(x)
+    return (xq, *token_groups(xc, xd))
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -417,12 +427,26 @@ class Int4Matrix(_Quantized):
     def _dequant_range(self, r0, out):
         i4_dequant_range(self.packed, self._s16, self._m16, r0, self.group, out, self.symmetric)
 
+    @property
+    def _tiles(self) -> bool:
+        """Does prefill (T > FEW_ROWS) take the W4A8 integer tiles (symmetric, AVX2, an even number
+        of blocks per row), which compute each row on its own?"""
+        return self.symmetric and common.HAVE_AVX2 and self.shape[1] % 64 == 0
+
+    @property
+    def independent_rows(self) -> bool:
+        return self._tiles
+
     def uses_blas_for(self, rows: int) -> bool:
+        if self._tiles:
+            return False
         return rows > (INT4_SHORT_ROWS if common.HAVE_AVX2 else common.FEW_ROWS)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = _check_x(x, self.shape[1])
         t = x.shape[0]
+        if t > common.FEW_ROWS and self._tiles:
+            return self._matmul_w4a8(x)
         if self.uses_blas_for(t):
             return self._matmul_blocked(x)
         if common.HAVE_AVX2:
@@ -443,6 +467,29 @@ class Int4Matrix(_Quantized):
         if not common.HAVE_AVX2:
             return super().matmul_each(x)
         return self._rows_w4a8(x) if self.symmetric else self._rows_w4a16(x)
+
+    def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
+        """Prefill input: rounded once for every matrix it multiplies (q/k/v, gate/up)."""
+        x = _check_x(x, self.shape[1])
+        if x.shape[0] <= common.FEW_ROWS or not self._tiles:
+            return x
+        return Prepared(x, "w4a8-tiles", _round_w4a8(x))
+
+    def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+        if isinstance(p, Prepared) and p.kind == "w4a8-tiles" and p.x.shape[1] == self.shape[1] and self._tiles:
+            return self._matmul_w4a8(p.x, p.data)
+        return super().matmul_prepared(p)
+
+    def _matmul_w4a8(self, x: np.ndarray, rounded: tuple | None = None) -> np.ndarray:
+        """Prefill: x in int8 per 32 values as in decode (``rounded``: already), integer tiles of 4
+        weight rows x 4 tokens (`kernels.int4s.int4s_tile_dot`), TOKEN_CHUNK tokens at a time."""
+        t = x.shape[0]
+        xq, xc4, xd4 = rounded if rounded is not None else _round_w4a8(x)
+        out = np.empty((xq.shape[0], self.shape[0]), dtype=np.float32)
+        for t0 in range(0, xq.shape[0], TOKEN_CHUNK):
+            i4s_mm_w4a8(self.packed, self._s16, xq, xc4, xd4, t0 // 4, min(xq.shape[0], t0 + TOKEN_CHUNK) // 4,
+                        common.HAVE_VNNI, out)
+        return out[:t]
 
     def _rows_w4a8(self, x: np.ndarray) -> np.ndarray:
         """Rows of ``x``, each computed as alone, weights read once: the symmetric decode kernel,

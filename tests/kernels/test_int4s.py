@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from gemmalite.kernels import common
-from gemmalite.kernels.int4s import activation_pairs, i4s_fit, i4s_mvn_w4a8, i4s_pack
+from gemmalite.kernels.int4s import activation_pairs, i4s_fit, i4s_mm_w4a8, i4s_mvn_w4a8, i4s_pack, token_groups
+from gemmalite.weights.quant import Int4Matrix
 
 pytestmark = pytest.mark.skipif(not common.HAVE_AVX2, reason="no AVX2 on this CPU")
 
@@ -135,3 +136,71 @@ def test_w4a8_dot_against_float64(k, rows_per_task):
     exact = x.astype(np.float64) @ wd.T
     act = np.repeat(step / 2, 32, 1) @ np.abs(wd).T
     assert np.all(np.abs(outs[0] - exact) <= act * 1.0001 + bound)
+
+
+def _oracle(packed, d16, xq, xd, k):
+    """float64 products of the exact integer block sums and the two scales (the kernel's inputs as
+    they are: its own activation rounding), and the sum of their magnitudes per output."""
+    n = packed.shape[0]
+    q, step = _unpair(xq, k), xd[:, : k // 32].astype(np.float64)
+    wv = _values(packed).reshape(n, k // 32, 32)
+    terms = np.einsum("tgi,ngi->tng", q, wv) * step[:, None, :] * d16.astype(np.float64)[None]
+    return terms.sum(2), np.abs(terms).sum(2)
+
+
+def _tiles(packed, d16, x, vnni, lo=0, hi=None):
+    xq, xc, xd = activation_pairs(x)
+    xc4, xd4 = token_groups(xc, xd)
+    out = np.full((x.shape[0], packed.shape[0]), np.nan, np.float32)
+    i4s_mm_w4a8(packed, d16.view(np.uint16), xq, xc4, xd4, lo, x.shape[0] // 4 if hi is None else hi, vnni, out)
+    return out, xq, xd
+
+
+@pytest.mark.parametrize("k", [64, 512, 1536])
+def test_w4a8_prefill_tiles_against_float64(k):
+    """The prefill tiles (4 weight rows x 4 tokens, 37 rows: a tail row) on both instruction paths:
+    the exact integer block sums times the two scales, within the float32 rounding of the scale
+    application (a lane's chain: one product of the scales, k / 64 FMAs, one final add: at most
+    (k / 64 + 3) * 2^-24 of the sum of |terms|; the integer sums are exact, so nothing else); the two
+    paths bit for bit equal; a token's result independent of the tokens it is grouped with."""
+    n, t = 37, 12
+    _, packed, d16 = _quantized(n, k, seed=2)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    x[:, :5] *= 30
+    x[5] = 0.0
+    outs = [_tiles(packed, d16, x, vnni) for vnni in (1, 0)]
+    (out, xq, xd), (out2, _, _) = outs
+    ref, mags = _oracle(packed, d16, xq, xd, k)
+    bound = (k // 64 + 3) * 2.0**-24 * mags + 1e-30
+    assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
+    assert np.all(out[5] == 0)
+    np.testing.assert_array_equal(out, out2)
+    perm = rng.permutation(t)
+    np.testing.assert_array_equal(_tiles(packed, d16, x[perm], 1)[0], out[perm])
+    # a group range: only its rows written
+    part, _, _ = _tiles(packed, d16, x, 1, 1, 2)
+    assert np.isnan(part[:4]).all() and np.isnan(part[8:]).all()
+    np.testing.assert_array_equal(part[4:8], out[4:8])
+
+
+def test_int4_prefill_is_each_row_alone_and_the_prepared_input_the_same():
+    """Int4Matrix prefill (T > FEW_ROWS) through the tiles: rows padded to a group of 4 come out as
+    the kernel computes them, each row bit for bit the same among other rows (``independent_rows``),
+    the prepared input (rounded once for q/k/v) the same product, and close to the float64 product
+    of the unrounded x (within the activation rounding: half a step per value)."""
+    w = (0.02 * np.random.default_rng(5).standard_t(4, size=(203, 320))).astype(np.float32)
+    m = Int4Matrix.quantize(w, symmetric=True)
+    assert m.independent_rows and not m.uses_blas_for(64)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((23, 320)).astype(np.float32)
+    x[:, :5] *= 30
+    y = m.matmul(x)
+    xp = np.concatenate([x, np.zeros((1, 320), np.float32)])
+    np.testing.assert_array_equal(y, _tiles(m.packed, m.scales, xp, 1)[0][:23])
+    np.testing.assert_array_equal(m.matmul(x[7:13]), y[7:13])
+    np.testing.assert_array_equal(m.matmul_prepared(m.prepare(x)), y)
+    d = m.dense().astype(np.float64)
+    step = np.repeat(np.abs(x.reshape(23, 10, 32)).max(2).astype(np.float64) / 127, 32, 1)
+    err = np.abs(y - x.astype(np.float64) @ d.T)
+    assert np.all(err <= step / 2 @ np.abs(d).T * 1.0001 + 1e-5 * (np.abs(x) @ np.abs(d).T))

@@ -419,9 +419,10 @@ def test_int4_symmetric_beats_q4_0_rounding():
 
 @pytest.mark.parametrize("path", ["vnni", "avx2", "portable"])
 def test_int4_symmetric_matmul(path, monkeypatch):
-    """Every product path against float64 math on the dequantized weights: decode rows (W4A8: x in
-    int8 per 32, by vpdpbusd or by AVX2's 8-bit multiply-add) within the activation rounding, longer
-    inputs (dequantize + BLAS) and the portable kernels to float32 rounding; the two SIMD paths equal."""
+    """Every product path against float64 math on the dequantized weights: decode rows and prefill
+    tiles (W4A8: x in int8 per 32, by vpdpbusd or by AVX2's 8-bit multiply-add) within the activation
+    rounding, longer inputs of an odd number of blocks (dequantize + BLAS) and the portable kernels to
+    float32 rounding; the two SIMD paths equal."""
     if path != "portable" and not common.HAVE_AVX2:
         pytest.skip("no AVX2 on this CPU")
     monkeypatch.setattr(common, "HAVE_AVX2", path != "portable")
@@ -436,7 +437,8 @@ def test_int4_symmetric_matmul(path, monkeypatch):
             y = m.matmul(x)
             assert y.shape == (t, 203) and y.dtype == np.float32
             ref = x.astype(np.float64) @ d.T
-            rounded = path != "portable" and t <= quant.INT4_SHORT_ROWS
+            # (rounded: decode rows, and every T > FEW_ROWS where the prefill tiles apply: an even number of blocks)
+            rounded = path != "portable" and (t <= quant.INT4_SHORT_ROWS or k % 64 == 0)
             act = _int8_step(x) / 2 @ np.abs(d).T if rounded else 0
             bound = 1e-5 * (np.abs(x) @ np.abs(d).T) + act + 1e-30
             assert np.all(np.abs(y - ref) <= bound), (k, t, float((np.abs(y - ref) / bound).max()))
