@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import io
 import json
 import os
@@ -60,6 +61,17 @@ def _png(h: int, w: int, seed: int) -> bytes:
 
 
 PICS = {"a": _png(50, 90, 0), "b": _png(120, 40, 1)}
+
+
+def _wav(n: int = 8000) -> bytes:
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, (np.sin(np.arange(n) / 5.0) * 0.5).astype(np.float32), 16000, subtype="PCM_16", format="WAV")
+    return buf.getvalue()
+
+
+HEARD = "What is said?"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
@@ -148,7 +160,8 @@ class ScriptedModel:
 def model(tmp_path_factory, gl):
     from gemmalite.tools.synth import synth
 
-    return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny-vision"), vision=True, progress=False), context=512)
+    return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny-vision"), vision=True, audio=True, progress=False),
+                   context=512)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +169,10 @@ def embedder(tmp_path_factory, gl):
     from gemmalite.tools.synth_eg2 import synth_eg2
 
     return gl.load_embedder(synth_eg2("eg2-tiny", tmp_path_factory.mktemp("eg2"), progress=False))
+
+
+def _clip_turn(text, clip: bytes):
+    return {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": text}]}
 
 
 def _turn(text, pic=None):
@@ -174,6 +191,8 @@ def refs(model):
                           {"role": "assistant", "content": out["first"]}, _turn(SECOND)], 12)
     for pic in PICS:
         out[pic] = chat([_turn(QUESTION, pic)], 8)
+    if importlib.util.find_spec("soundfile") is not None:
+        out["clip"] = chat([_clip_turn(HEARD, _wav())], 8)
     # the page's tools with tool_choice "required" (the tools grammar: a call first, or with the
     # Think toggle, a thought first: this random model takes that thought and does not end it)
     for key, think in (("tool", False), ("think", True)):
@@ -340,7 +359,7 @@ def test_page_and_capabilities_are_served(live, scripted, model):
     assert live.raw("GET", "/v1/capabilities", key=None)[0] == 401  # the API still needs it
     status, _, caps = live.raw("GET", "/v1/capabilities")
     assert status == 200 and (caps["model"], caps["embedder"], caps["context"]) == (MODEL_ID, EMB_ID, 512)
-    assert (caps["vision"], caps["audio"], caps["embeddings"], caps["embedding_images"]) == (True, False, True, True)
+    assert (caps["vision"], caps["audio"], caps["embeddings"], caps["embedding_images"]) == (True, True, True, True)
     from gemmalite.chat import ChatTokens
 
     assert ChatTokens.find(model.tokenizer) is not None  # a Gemma 4 vocabulary: the server reads replies apart
@@ -381,8 +400,7 @@ def test_key_prompt_under_api_key(live, open_page):
 def test_chat_streams_the_api_reply(live, refs, open_page):
     p = open_page(live).ready()
     p.shot("03-empty")
-    assert p.page.is_visible("#image-label") and not p.page.is_visible("#audio-label")
-    assert not p.page.is_visible("#record")
+    assert p.page.is_visible("#image-label") and p.page.is_visible("#audio-label") and p.page.is_visible("#record")
     assert p.page.is_visible("#think-label") and p.page.is_visible("#tools-box")  # the server reads replies apart
     assert not p.page.is_checked("#think")
     p.settings(system=SYSTEM)
@@ -442,6 +460,34 @@ def test_picture_reaches_the_model(live, refs, open_page, tmp_path):
         p.page.wait_for_selector("#attachments .chip.image")
         p.send(QUESTION)
         assert p.reply(1)[0] == refs[pic], kind
+    assert p.errors == []
+
+
+def test_audio_reaches_the_model(live, refs, model, open_page, tmp_path):
+    """An audio file attached (the file picker) and a recording (Chromium's fake microphone, encoded
+    to WAV in the page) reach the live model: the replies equal `ChatSession.chat` with those clips."""
+    pytest.importorskip("soundfile")
+    p = open_page(live).ready()
+    p.settings(max_tokens="8")
+    (tmp_path / "clip.wav").write_bytes(_wav())
+    p.page.set_input_files("#audio-input", str(tmp_path / "clip.wav"))
+    p.page.wait_for_selector("#attachments .chip.audio")
+    p.send(HEARD)
+    assert p.reply(1)[0] == refs["clip"]
+    p.page.click("#clear")
+    sent = p.bodies()
+    p.page.click("#record")
+    p.page.wait_for_selector("#record:text('Stop recording')")
+    time.sleep(1.0)
+    p.page.click("#record")
+    p.page.wait_for_selector("#attachments .chip.audio")
+    p.send(HEARD)
+    text = p.reply(1)[0]
+    p.shot("06b-recording-reply")
+    [body] = sent
+    clip = base64.b64decode(body["messages"][-1]["content"][0]["input_audio"]["data"])
+    assert clip[:4] == b"RIFF" and text == model.session().chat([_clip_turn(HEARD, clip)], max_new_tokens=8,
+                                                                  temperature=0)  # (the server is idle)
     assert p.errors == []
 
 
