@@ -470,8 +470,9 @@ class Server:
             "vision": self.model.vision is not None,
             "audio": getattr(self.model, "audio", None) is not None,
             "embeddings": self.embedder is not None,
-            # replies parsed into reasoning_content / tool_calls: not yet (the server refuses `tools`)
-            "thinking": False, "tools": False,
+            "embedding_images": getattr(self.embedder, "vision", None) is not None,
+            # replies read into reasoning_content / tool_calls (a Gemma 4 vocabulary: chat_format)
+            "thinking": self.chat_format, "tools": self.chat_format,
             "limits": {"max_tokens": lim.max_tokens, "max_images": lim.max_images,
                        "max_image_bytes": lim.max_image_bytes, "max_inputs": lim.max_inputs,
                        "max_body_bytes": lim.max_body_bytes},

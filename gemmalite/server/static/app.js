@@ -5,7 +5,7 @@
 
 const $ = (id) => document.getElementById(id);
 const STORE = { chat: "gemmalite.chat", settings: "gemmalite.settings", key: "gemmalite.key" };
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens"];
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "tools", "tool_choice"];
 
 const ui = {
   caps: null,
@@ -13,6 +13,7 @@ const ui = {
   messages: [],      // {role, text, media: [{kind, url, name, format?}], reasoning, tools, finish, error}
   pending: [],       // attachments for the next message
   controller: null,  // AbortController of the reply being streamed
+  embed: { images: [], query: null },  // the embeddings tab's pictures: documents, and the query's
 };
 
 // -- small DOM helpers (text only) ---------------------------------------------------------
@@ -80,6 +81,8 @@ async function start() {
   $("audio-label").hidden = !caps.audio;
   $("record").hidden = !(caps.audio && navigator.mediaDevices && window.MediaRecorder);
   $("think-label").hidden = !caps.thinking;
+  $("tools-box").hidden = !caps.tools;
+  for (const e of document.querySelectorAll(".embed-pics")) e.hidden = !caps.embedding_images;
   $("tab-embed").hidden = !caps.embeddings;
   $("forget-key").hidden = !ui.key;
   const takes = ["text"].concat(caps.vision ? ["pictures"] : [], caps.audio ? ["audio"] : []);
@@ -237,6 +240,14 @@ function requestBody() {
   if (p !== undefined) body.top_p = p;
   if (mt !== undefined) body.max_tokens = mt;
   if (ui.caps.thinking && $("think").checked) body.reasoning_effort = "medium";
+  const tools = ui.caps.tools ? $("tools").value.trim() : "";
+  if (tools) {
+    let decls;
+    try { decls = JSON.parse(tools); } catch (e) { throw new Error("the tools are not valid JSON: " + e.message); }
+    if (!Array.isArray(decls)) throw new Error("the tools must be a JSON list of {\"type\": \"function\", ...}");
+    body.tools = decls;
+    body.tool_choice = $("tool_choice").value;
+  }
   return body;
 }
 
@@ -410,9 +421,13 @@ async function addFiles(files) {
 }
 
 function renderAttachments() {
-  const box = $("attachments");
+  renderChips($("attachments"), ui.pending, renderAttachments);
+}
+
+function renderChips(box, items, rerender) {
+  // one chip per attachment (a thumbnail for pictures) with a button that removes it from items
   box.replaceChildren();
-  ui.pending.forEach((x, k) => {
+  items.forEach((x, k) => {
     const chip = el("span", "chip " + x.kind);
     if (x.kind === "image") {
       const img = el("img");
@@ -424,7 +439,7 @@ function renderAttachments() {
     const rm = el("button", "chip-x", "×");
     rm.type = "button";
     rm.title = "remove";
-    rm.addEventListener("click", () => { ui.pending.splice(k, 1); renderAttachments(); });
+    rm.addEventListener("click", () => { items.splice(k, 1); rerender(); });
     chip.append(rm);
     box.append(chip);
   });
@@ -505,14 +520,36 @@ async function toggleRecording() {
 }
 
 // -- embeddings tab --------------------------------------------------------------------------
-async function embed(texts) {
-  const per = (ui.caps.limits && ui.caps.limits.max_inputs) || 64;
+// Inputs go to /v1/embeddings as the server takes them: a text as a string, a picture as one
+// input of content parts ([{type: "image_url", ...}]), a query of both as [picture, text].
+function embedInput(x) {
+  if (typeof x === "string") return x;
+  const parts = [{ type: "image_url", image_url: { url: x.image.url } }];
+  if (x.text) parts.push({ type: "text", text: x.text });
+  return parts;
+}
+
+async function embed(inputs) {
+  // in requests of at most max_inputs inputs and max_images pictures (the server's limits)
+  const lim = ui.caps.limits || {};
+  const perInputs = lim.max_inputs || 64, perImages = lim.max_images || 8;
   const out = [];
-  for (let k = 0; k < texts.length; k += per) {
-    const r = await api("/v1/embeddings", { model: ui.caps.embedder, input: texts.slice(k, k + per) });
+  let batch = [], pics = 0;
+  const flush = async () => {
+    if (!batch.length) return;
+    const r = await api("/v1/embeddings", { model: ui.caps.embedder, input: batch.map(embedInput) });
     const j = await r.json();
     for (const d of j.data.sort((a, b) => a.index - b.index)) out.push(d.embedding);
+    batch = [];
+    pics = 0;
+  };
+  for (const x of inputs) {
+    const p = typeof x === "string" ? 0 : 1;
+    if (batch.length + 1 > perInputs || pics + p > perImages) await flush();
+    batch.push(x);
+    pics += p;
   }
+  await flush();
   return out;
 }
 
@@ -522,23 +559,63 @@ function cosine(a, b) {
   return ab / Math.sqrt(aa * bb);
 }
 
+async function embedPictures(files, into) {
+  // pictures the embeddings tab takes (checked as the chat's are); into: "docs" or "query"
+  if (!ui.caps || !ui.caps.embedding_images) {
+    setStatus("the embedder does not take pictures", true);
+    return;
+  }
+  const lim = ui.caps.limits || {};
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) {
+      setStatus(`${file.name || "this file"}: not a picture`, true);
+      continue;
+    }
+    if (lim.max_image_bytes && file.size > lim.max_image_bytes) {
+      setStatus(`${file.name}: larger than the ${lim.max_image_bytes} bytes the server takes`, true);
+      continue;
+    }
+    const pic = { kind: "image", url: await readDataURL(file), name: file.name || "picture" };
+    if (into === "query") ui.embed.query = pic;
+    else ui.embed.images.push(pic);
+  }
+  renderEmbedPictures();
+}
+
+function renderEmbedPictures() {
+  renderChips($("embed-attachments"), ui.embed.images, renderEmbedPictures);
+  const q = ui.embed.query ? [ui.embed.query] : [];
+  renderChips($("embed-query-attachment"), q, () => { ui.embed.query = q[0] || null; renderEmbedPictures(); });
+}
+
 async function rank() {
-  const docs = $("embed-docs").value.split("\n").map((s) => s.trim()).filter((s) => s);
-  const query = $("embed-query").value.trim();
+  const texts = $("embed-docs").value.split("\n").map((s) => s.trim()).filter((s) => s);
+  const docs = texts.concat(ui.embed.images.map((image) => ({ image })));
+  const text = $("embed-query").value.trim();
+  const query = ui.embed.query ? { image: ui.embed.query, text } : text;
   const list = $("embed-results");
   list.replaceChildren();
   if (!docs.length || !query) {
-    setStatus("give some texts and a query", true);
+    setStatus("give some texts or pictures, and a query", true);
     return;
   }
   setStatus("embedding…");
   try {
     const [q, ...vecs] = await embed([query, ...docs]);
-    const ranked = docs.map((text, k) => ({ text, score: cosine(q, vecs[k]) })).sort((a, b) => b.score - a.score);
+    const ranked = docs.map((doc, k) => ({ doc, score: cosine(q, vecs[k]) })).sort((a, b) => b.score - a.score);
     for (const r of ranked) {
       const li = el("li", "ranked");
       li.dataset.score = String(r.score);
-      li.append(el("span", "score", r.score.toFixed(4)), el("span", "doc", r.text));
+      li.append(el("span", "score", r.score.toFixed(4)));
+      if (typeof r.doc === "string") {
+        li.append(el("span", "doc", r.doc));
+      } else {
+        li.dataset.kind = "image";
+        const img = el("img");
+        img.src = r.doc.image.url;
+        img.alt = r.doc.image.name;
+        li.append(img, el("span", "doc", r.doc.image.name));
+      }
       list.append(li);
     }
     setStatus("");
@@ -570,6 +647,8 @@ function wire() {
   $("think").addEventListener("change", saveSettings);
   for (const b of document.querySelectorAll(".tab")) b.addEventListener("click", () => showTab(b.dataset.tab));
   $("embed-rank").addEventListener("click", rank);
+  $("embed-image-input").addEventListener("change", (e) => { embedPictures([...e.target.files], "docs"); e.target.value = ""; });
+  $("embed-query-input").addEventListener("change", (e) => { embedPictures([...e.target.files], "query"); e.target.value = ""; });
   $("forget-key").addEventListener("click", () => {
     localStorage.removeItem(STORE.key);
     ui.key = "";
@@ -587,7 +666,8 @@ function wire() {
     const files = [...((e.clipboardData && e.clipboardData.files) || [])];
     if (files.length && ui.caps) {
       e.preventDefault();
-      addFiles(files);
+      if (!$("embed-view").hidden) embedPictures(files, e.target === $("embed-query") ? "query" : "docs");
+      else addFiles(files);
     }
   });
   const view = $("chat-view");
@@ -598,6 +678,16 @@ function wire() {
     view.classList.remove("drop");
     const files = [...((e.dataTransfer && e.dataTransfer.files) || [])];
     if (files.length && ui.caps) addFiles(files);
+  });
+  // the embeddings tab: pictures dropped on the query are the query's, elsewhere documents
+  const ev = $("embed-view");
+  ev.addEventListener("dragover", (e) => { e.preventDefault(); ev.classList.add("drop"); });
+  ev.addEventListener("dragleave", () => ev.classList.remove("drop"));
+  ev.addEventListener("drop", (e) => {
+    e.preventDefault();
+    ev.classList.remove("drop");
+    const files = [...((e.dataTransfer && e.dataTransfer.files) || [])];
+    if (files.length && ui.caps) embedPictures(files, e.target === $("embed-query") ? "query" : "docs");
   });
 }
 
