@@ -46,7 +46,7 @@ from .simd import (
 __all__ = ["activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack", "int4s_rows_dot",
            "int4s_tile_dot", "round_i8_pairs", "token_groups"]
 
-_JIT = dict(cache=True, error_model="numpy", boundscheck=False)
+_JIT = dict(cache=True, error_model="numpy", boundscheck=False, fastmath=False)  # explicit: a callee left unset inherits its caller's fastmath (numba), and its machine code then depends on which caller compiled it first
 _FAST = dict(_JIT, fastmath=True)
 
 # Does the CPU itself have vpdpbusd (whatever GEMMALITE_VNNI says)? Code for it is only emitted then.
