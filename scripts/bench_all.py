@@ -252,14 +252,19 @@ def peers_figs(quant: str, peer: str, curve: bool = False):
     return figs
 
 
+def _peer_note(peer: str, q: dict) -> str:
+    """Why an EmbeddingGemma 2 peer has no figures ('' when it ran): its error, or egemma2 missing."""
+    if peer.startswith("egemma2") and peer_egemma2():
+        return peer_egemma2()
+    return q.get("error", "") and f"failed: {q['error'][:120]}"
+
+
 def eg2_text_figs(_x, out, a):
     ours = out.get("gemmalite/converted") or out["gemmalite/int8"]
     res = []
     for peer, name in (("transformers/none", "transformers float32"), ("egemma2/none", "egemma2 (CPU)")):
         q = out.get(peer, {})
-        note = q.get("error", "") and f"failed: {q['error'][:120]}"
-        if peer.startswith("egemma2") and peer_egemma2():
-            note = peer_egemma2()
+        note = _peer_note(peer, q)
         q = {} if note else q
         res += [Fig("one 18-token query (lower is better)", "ms", ours["query_ms"], name, q.get("query_ms"), note),
                 Fig("32 documents of 512 tokens", "texts/s", ours["docs_texts_s"], name, q.get("docs_texts_s"), note),
@@ -273,9 +278,7 @@ def eg2_image_figs(_x, out, a):
     ours, res = m["gemmalite/int8"], []
     for peer, name in (("transformers/none", "transformers float32"), ("egemma2/none", "egemma2 (CPU)")):
         q = m.get(peer, {})
-        note = q.get("error", "") and f"failed: {q['error'][:120]}"
-        if peer.startswith("egemma2") and peer_egemma2():
-            note = peer_egemma2()
+        note = _peer_note(peer, q)
         q = {} if note else q
         res += [Fig(f"{a.images} images of 768 x 768", "images/s", ours["images_s"], name, q.get("images_s"), note),
                 Fig("peak RSS, images (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30, name,

@@ -670,24 +670,20 @@ function wire() {
       else addFiles(files);
     }
   });
-  const view = $("chat-view");
+  dropZone($("chat-view"), (files) => addFiles(files));
+  // the embeddings tab: pictures dropped on the query are the query's, elsewhere documents
+  dropZone($("embed-view"), (files, e) => embedPictures(files, e.target === $("embed-query") ? "query" : "docs"));
+}
+
+// a view that takes dropped files: highlighted while dragged over, the files to `take` once loaded
+function dropZone(view, take) {
   view.addEventListener("dragover", (e) => { e.preventDefault(); view.classList.add("drop"); });
   view.addEventListener("dragleave", () => view.classList.remove("drop"));
   view.addEventListener("drop", (e) => {
     e.preventDefault();
     view.classList.remove("drop");
     const files = [...((e.dataTransfer && e.dataTransfer.files) || [])];
-    if (files.length && ui.caps) addFiles(files);
-  });
-  // the embeddings tab: pictures dropped on the query are the query's, elsewhere documents
-  const ev = $("embed-view");
-  ev.addEventListener("dragover", (e) => { e.preventDefault(); ev.classList.add("drop"); });
-  ev.addEventListener("dragleave", () => ev.classList.remove("drop"));
-  ev.addEventListener("drop", (e) => {
-    e.preventDefault();
-    ev.classList.remove("drop");
-    const files = [...((e.dataTransfer && e.dataTransfer.files) || [])];
-    if (files.length && ui.caps) embedPictures(files, e.target === $("embed-query") ? "query" : "docs");
+    if (files.length && ui.caps) take(files, e);
   });
 }
 
