@@ -125,7 +125,9 @@ def peer_llama(a) -> str:
     return llama_cpp_problem()
 
 
-def peer_server(a) -> str:
+def peer_server(a, gguf: Path | None = None) -> str:
+    if gguf is not None and not Path(gguf).exists():
+        return f"not run: no GGUF {gguf} (python scripts/bench_inputs.py)"
     if a.llama_server and Path(a.llama_server).exists():
         return ""
     return ("not run: no llama-server binary (--llama-server BIN; build it from the llama-cpp-python sdist's "
@@ -233,25 +235,27 @@ def bundled_gguf(a) -> Path:
 
 def server_commands(model: Callable, gguf: Callable, levels: str, tokens: int):
     def make(a):
-        peer = [] if peer_server(a) else ["--llama-server", a.llama_server, "--gguf", gguf(a)]
+        peer = [] if peer_server(a, gguf(a)) else ["--llama-server", a.llama_server, "--gguf", gguf(a)]
         return [(None, py("bench_server.py", "--gemmalite", model(a), *peer,
                           "--levels", size(a, "1,2,4,8", levels, "1,2"), "--max-tokens", size(a, tokens, smoke=8),
                           "--threads", a.threads, "--json"))]
     return make
 
 
-def server_figs(_x, out, a):
-    s = out["servers"]
-    g, l = s["gemmalite"]["rows"], s.get("llama-server", {}).get("rows", [])
-    note = peer_server(a)
-    figs = []
-    for i, row in enumerate(g):
-        p = l[i] if i < len(l) else {}
-        n = row["streams"]
-        figs.append(Fig(f"{n} stream{'s' if n > 1 else ''}, aggregate decode", "tok/s", row["tokens_per_s"],
-                        "llama-server", p.get("tokens_per_s"), note, x=n, series="tok/s"))
-        figs.append(Fig(f"{n} stream{'s' if n > 1 else ''}, p99 first token (lower is better)", "s",
-                        row["ttft_p99_s"], "llama-server", p.get("ttft_p99_s"), note))
+def server_figs(gguf: Callable):
+    def figs(_x, out, a):
+        s = out["servers"]
+        g, l = s["gemmalite"]["rows"], s.get("llama-server", {}).get("rows", [])
+        note = peer_server(a, gguf(a))
+        res = []
+        for i, row in enumerate(g):
+            p = l[i] if i < len(l) else {}
+            n = row["streams"]
+            res.append(Fig(f"{n} stream{'s' if n > 1 else ''}, aggregate decode", "tok/s", row["tokens_per_s"],
+                           "llama-server", p.get("tokens_per_s"), note, x=n, series="tok/s"))
+            res.append(Fig(f"{n} stream{'s' if n > 1 else ''}, p99 first token (lower is better)", "s",
+                           row["ttft_p99_s"], "llama-server", p.get("ttft_p99_s"), note))
+        return res
     return figs
 
 
@@ -419,7 +423,7 @@ ROWS = [
         "prompt lengths", True, g3_commands, g3_figs,
         plot=("decode", "prompt tokens", "decode tok/s")),
     Row("g3-server", "the server, Gemma 3 270M: `gemmalite serve` against `llama-server` (same GGUF)", True,
-        server_commands(lambda a: "gemma3-270m", bundled_gguf, "1,2,4", 32), server_figs,
+        server_commands(lambda a: "gemma3-270m", bundled_gguf, "1,2,4", 32), server_figs(bundled_gguf),
         plot=("tok/s", "concurrent streams", "aggregate decode tok/s")),
     Row("g3-lookup", "prompt lookup against plain decoding, Gemma 3 270M, greedy chat (identical text)", True,
         lambda a: [(None, py("bench_prompt_lookup.py", "--new-tokens", size(a, 200, 64, 16),
@@ -440,7 +444,8 @@ ROWS = [
         peers_commands("int8", [512, 2048], 16, 1), peers_figs("int8", "llama.cpp Q8_0", curve=True),
         need_dirs("e2b", "e2b_int8"), plot=("decode", "prompt tokens", "decode tok/s")),
     Row("e2b-server", "the server, E2B int8 against `llama-server` (Q8_0), 32 tokens a stream", False,
-        server_commands(lambda a: a.e2b_int8, q8_gguf, "1,2,4,8", 32), server_figs, need_dirs("e2b", "e2b_int8"),
+        server_commands(lambda a: a.e2b_int8, q8_gguf, "1,2,4,8", 32), server_figs(q8_gguf),
+        need_dirs("e2b", "e2b_int8"),
         plot=("tok/s", "concurrent streams", "aggregate decode tok/s")),
     Row("eg2-text", "EmbeddingGemma 2 (whole 744 M model, random weights), int8 text embeddings", False,
         lambda a: [(None, py("bench_eg2_peers.py", a.eg2, "--converted-int8", a.eg2_int8, "--rounds", 1, "--docs", a.docs,
