@@ -5,7 +5,8 @@ bench_eg2_peers.py, bench_eg2_images.py) row by row, keeps each row's figures wi
 machine load and exact command, and writes the markdown table and SVG plots. Run by hand, never in CI.
 
     python scripts/bench_all.py --quick                  # the real Gemma 3 270M rows only, minutes
-    python scripts/bench_all.py                          # every row (E2B / EG2 shapes: hours)
+    python scripts/bench_all.py                          # every row, 3 rounds (~1.5-2 h on 2 quiet cores; scripts/README.md: a ~1 h plan)
+    python scripts/bench_all.py --smoke                  # every row once, smallest settings: does it run?
     python scripts/bench_all.py --only e2b-int8,g3-long  # rerun some rows, keep the others' figures
     python scripts/bench_all.py --page BENCHMARKS.md     # also replace the page's table block
     python scripts/bench_all.py --no-run --page BENCHMARKS.md  # the page from the stored results
@@ -505,6 +506,7 @@ def shown(cmd: list[str], a) -> str:
     """The command as a reader types it (relative script path, placeholders for the JSON file)."""
     subs = {sys.executable: "python", str(ROOT) + "/": ""}
     subs |= {str(Path(p).parent) + "/": "" for p in (a.e2b, a.eg2) if p}  # the inputs by their folder names
+    subs |= {str(Path(b).parent) + "/": "LLAMA_BIN/" for b in (a.llama_bench, a.llama_server) if b}
     text = shlex.join(["OUT.json" if c == "{out}" else c for c in cmd])
     for k, v in subs.items():
         text = text.replace(k, v)
@@ -519,7 +521,10 @@ def run_row(row: Row, a) -> dict:
     why = row.missing(a)
     cmds = [] if why else row.commands(a)
     rec["commands"] = [shown(c, a) for _, c in cmds]
-    rec["bench_all"] = f"python scripts/bench_all.py{' --quick' if a.quick else ''} --only {row.id}"
+    flags = [f for f, on in ((" --quick", a.quick), (" --smoke", a.smoke), (f" --rounds {a.rounds}", True),
+                             (f" --images {a.images}", row.id == "eg2-images"),
+                             (f" --docs {a.docs}", row.id == "eg2-text")) if on]
+    rec["bench_all"] = f"python scripts/bench_all.py{''.join(flags)} --only {row.id}"
     if why:
         return {**rec, "status": why}
     rounds = row.rounds or a.rounds

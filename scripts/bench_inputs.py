@@ -70,6 +70,18 @@ def make_ggufs(synth: Path, tree: Path, bin_dir: Path) -> list[str]:
     return [conv.replace(".tmp", ""), *(q.replace(".tmp", "") for q in quant.values()), f"rm {bf16}"]
 
 
+def write_block(path: Path, text: str) -> None:
+    """Put ``text`` between this script's markers in ``path``, keeping what others wrote around it
+    (the folder is shared); written to a temporary name, then renamed."""
+    begin, end = "=== bench_inputs.py: begin ===", "=== bench_inputs.py: end ==="
+    old = path.read_text() if path.exists() else ""
+    head, _, rest = old.partition(begin) if begin in old else (old, "", "")
+    tail = rest.partition(end)[2] if rest else ""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{head}{begin}\n{text}\n{end}{tail or chr(10)}")
+    tmp.rename(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--synth", type=Path, default=Path(os.environ.get("GEMMALITE_SYNTH", "/work/synth")))
@@ -80,7 +92,8 @@ def main(argv=None) -> int:
     a.synth.mkdir(parents=True, exist_ok=True)
     gl = [sys.executable, "-m", "gemmalite.cli"]
     lines = [f"Inputs of scripts/bench_all.py (gemmalite's benchmark table), made by scripts/bench_inputs.py "
-             f"(each line: the folder, what it is, the command). Random weights: speed figures only.", ""]
+             f"(each line: the folder, what it is, the command). Random weights: speed figures only. Shared: "
+             f"read them, never rewrite or delete them.", ""]
     for folder, what, cmd in STEPS:
         cmd = cmd.format(synth=a.synth)
         if not (a.synth / folder / "config.json").exists():
@@ -93,9 +106,9 @@ def main(argv=None) -> int:
             raise SystemExit("--llama-bin DIR (or GEMMALITE_LLAMA_BIN): the folder of a built llama-quantize")
         cmds = make_ggufs(a.synth, a.llama_cpp, a.llama_bin)
         lines += [f"{GGUF[0]}/: {GGUF[1]}", *(f"    {c}" for c in cmds)]
-    lines += ["", "Use: python scripts/bench_all.py --llama-bin DIR (inputs found here by default; "
-              "GEMMALITE_SYNTH=THIS_FOLDER elsewhere)."]
-    (a.synth / "README.txt").write_text("\n".join(lines) + "\n")
+    lines += ["", f"Use: python scripts/bench_all.py --llama-bin {a.llama_bin or 'DIR'} (it finds these inputs in "
+              "$GEMMALITE_SYNTH, default /work/synth)."]
+    write_block(a.synth / "README.txt", "\n".join(lines))
     print(f"inputs ready in {a.synth} (README.txt says what each is)", file=sys.stderr)
     return 0
 
