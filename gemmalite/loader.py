@@ -18,7 +18,10 @@ from .model import Model
 from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
 from .backends.onnx import MANIFEST as ONNX_MANIFEST
 from .formats.converted import check_manifest
-from .models.gemma.build import QUANT_KINDS, build_weights, host_tables
+from .embeddings import Embedder
+from .embeddings.embedder import load_embedder as embeddings_loader
+from .embeddings.embedder import own_encoder
+from .models.gemma.build import QUANT_KINDS, build_weights, host_tables, matrix_factory, table
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
 from .runtime import inputs
@@ -157,7 +160,7 @@ def _onnx_graph(source, cfg: ModelConfig, context: int, providers: list | None, 
     return OrtGraph.export(source, context, providers, threads, static=static)
 
 
-def _onnx_export(p: Path, backend: str) -> dict | None:
+def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
     """The manifest of a ``gemmalite export`` folder (None for anything else)."""
     if not (p.is_dir() and (p / ONNX_MANIFEST).is_file()):
         return None
@@ -169,10 +172,42 @@ def _onnx_export(p: Path, backend: str) -> dict | None:
     except ImportError as e:
         raise ConfigError(f"{p} is an ONNX export: it needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
     check_manifest(p)
-    return read_manifest(p)
+    return read_manifest(p, kind)
 
 
-def _export_settings(p: Path, manifest: dict, quant: str | None, context: int | None) -> tuple[str | None, int]:
+def load_embedder(path: str | Path, quant: str | None = None, threads: int | None = None, *,
+                  backend: str = "gemmalite", providers: list | None = None) -> Embedder:
+    """An `Embedder` for an EmbeddingGemma 2 folder (`gemmalite.embeddings.load_embedder`).
+    ``backend="onnxruntime"`` runs the encoder exported to ONNX on ONNX Runtime's ``providers``:
+    exported on load, or a folder written by ``gemmalite export`` (opened as it is)."""
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if providers is not None and backend != "onnxruntime":
+        raise InputError("providers are for backend='onnxruntime'")
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"path must be a str or a path, got {type(path).__name__}")
+    p = Path(path)
+    export = _onnx_export(p, backend, "encoder")
+    if backend == "gemmalite":
+        return embeddings_loader(p, quant, threads)
+    try:
+        from .backends.onnx.encoder import OrtEncoder
+    except ImportError as e:
+        raise ConfigError(f"backend='onnxruntime' needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    if export is None:
+        def encoder(cfg, tensors, q, folder):
+            return OrtEncoder.export(own_encoder(cfg, tensors, q, folder), providers, threads)
+    else:
+        quant = _export_settings(p, export, quant, None)[0]
+
+        def encoder(cfg, tensors, q, folder):
+            _check_host_tensors(cfg, tensors, p, ["embed_tokens.weight", "embedding_projection.weight"])
+            return OrtEncoder(p, cfg, table(tensors["embed_tokens.weight"]),
+                              matrix_factory(q)(tensors["embedding_projection.weight"]), providers, threads)
+    return embeddings_loader(p, quant, threads, encoder=encoder)
+
+
+def _export_settings(p: Path, manifest: dict, quant: str | None, context: int | None) -> tuple[str | None, int | None]:
     """The host side's quantization and the context an export was written with (asking for others is an error)."""
     hq = manifest.get("quant")
     if hq not in QUANT_KINDS:
@@ -180,16 +215,17 @@ def _export_settings(p: Path, manifest: dict, quant: str | None, context: int | 
     if quant is not None and quant != hq:
         raise ConfigError(f"{p} was exported with quant={hq!r}; quant={quant!r} would need another export "
                           "(gemmalite export --quant)")
-    if context is not None and context != manifest["context"]:
+    if context is not None and context != manifest.get("context"):
         raise ConfigError(f"{p} was exported for a context of {manifest['context']}, not {context} "
                           "(gemmalite export --context)")
-    return hq, manifest["context"]
+    return hq, manifest.get("context")
 
 
-def _check_host_tensors(cfg: ModelConfig, tensors: dict, p: Path) -> None:
+def _check_host_tensors(cfg: ModelConfig, tensors: dict, p: Path, need: list[str] | None = None) -> None:
     """An export folder holds the host's tables (the graph holds the rest)."""
-    need = ["embed_tokens.weight"] + (["embed_tokens_per_layer.weight"] if cfg.ple_dim else []) + \
-        ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
+    if need is None:
+        need = ["embed_tokens.weight"] + (["embed_tokens_per_layer.weight"] if cfg.ple_dim else []) + \
+            ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
     missing = [n for n in need if n not in tensors]
     if missing:
         raise CheckpointError(f"{p}: the export lacks the host tensors {missing}")

@@ -1,11 +1,13 @@
-"""``gemmalite export MODEL OUT --format onnx``: the decoder graph as ONNX, in a folder that loads
-as it is (``gemmalite.load(OUT, backend="onnxruntime")``), written all or nothing.
+"""``gemmalite export MODEL OUT --format onnx``: the decoder graph (or an EmbeddingGemma 2 encoder)
+as ONNX, in a folder that loads as it is (``gemmalite.load(OUT, backend="onnxruntime")``,
+``gemmalite.load_embedder(OUT, backend="onnxruntime")``), written all or nothing.
 
 OUT holds the graphs and their weights (`gemmalite.backends.onnx.export`: ``decoder.onnx``,
-``prefill.onnx``, ``dynamic.onnx``, ``decoder.onnx.data``, ``onnx.json``) and what the host side
-needs, from MODEL: ``config.json``, the tokenizer and generation files, and ``host.safetensors``
-with every stored tensor the graphs do not hold (token embedding, PLE table, an untied or
-quantized LM head, vision / audio towers), as stored. ``gemmalite-manifest.json`` (last) lists
+``prefill.onnx``, ``dynamic.onnx``, ``decoder.onnx.data``, ``onnx.json``; an encoder's
+``encoder.onnx`` and ``encoder.onnx.data``) and what the host side needs, from MODEL:
+``config.json``, the tokenizer, generation and sentence-transformers files, and
+``host.safetensors`` with every stored tensor the graphs do not hold (token embedding, PLE table,
+an untied or quantized LM head, an encoder's output projection, vision / audio towers), as stored. ``gemmalite-manifest.json`` (last) lists
 every file with its size. Like `convert`, the files go into a temporary folder beside OUT, are
 checked (``onnx.checker``) and flushed, and the folder is renamed into place.
 """
@@ -27,12 +29,14 @@ from ..formats.gguf import is_gguf
 from ..formats.safetensors import read_safetensors, write_safetensors
 from ..loader import resolve
 from ..models.gemma.build import QUANT_KINDS
+from ..models.gemma.encoder import is_encoder_config
 from .convert import SIDE_FILES, _check_paths, _fsync, _install, _umask
 
 FORMATS = ("onnx",)
 HOST_STEM = "host"
 # text-model tensors the graphs hold (named after the text prefix); the rest is the host's
-GRAPH_TENSORS = ("layers.", "per_layer_model_projection.", "per_layer_projection_norm.", "norm.")
+GRAPH_TENSORS = ("layers.", "per_layer_model_projection.", "per_layer_projection_norm.", "norm.",
+                 "ple.")  # (the encoder's PLE projection and norm)
 CHUNK_BYTES = 64 << 20  # host tensors are copied this much at a time
 
 
@@ -48,7 +52,8 @@ def export(src: str | Path, out: str | Path, fmt: str = "onnx", *, context: int 
     if quant not in QUANT_KINDS:
         raise InputError(f"quant must be one of {QUANT_KINDS}, got {quant!r}")
     try:
-        from ..backends.onnx.export import DEFAULT_ACCURACY, PREFILL_CHUNK, check_folder, export_graphs
+        from ..backends.onnx.encoder import ENCODER_FILE, export_encoder
+        from ..backends.onnx.export import DEFAULT_ACCURACY, PREFILL_CHUNK, check_file, check_folder, export_graphs
         from ..backends.onnx.layouts import QUANT_FORMATS
     except ImportError as e:
         raise ConfigError(f"ONNX export needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
@@ -63,18 +68,26 @@ def export(src: str | Path, out: str | Path, fmt: str = "onnx", *, context: int 
         raise CheckpointError(f"{given}: ONNX export takes a Hugging Face checkpoint folder (or its gemmalite "
                               "convert output); GGUF blocks are not mapped onto ONNX's operators")
     target = _check_paths(src_path, out, force)
-    model = gemmalite.load(src_path, context=context, quant=quant)
-    graph, ctx = model.engine.graph, model.engine.context
+    encoder = src_path.is_dir() and is_encoder_config(read_config(src_path))
+    if encoder and (context is not None or chunk is not None):
+        raise InputError("an EmbeddingGemma 2 encoder export has no context or chunk (one graph, any length)")
+    level = DEFAULT_ACCURACY if accuracy_level is None else accuracy_level
+    meta = {"quant": quant, "source": given}
+    model = gemmalite.load_embedder(src_path, quant=quant) if encoder else gemmalite.load(src_path, context=context,
+                                                                                           quant=quant)
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         tmp.chmod(0o777 & ~_umask())
-        export_graphs(graph, tmp, ctx, PREFILL_CHUNK if chunk is None else chunk, quant_format=quant_format,
-                      accuracy_level=DEFAULT_ACCURACY if accuracy_level is None else accuracy_level,
-                      meta={"quant": quant, "source": given})
-        del model, graph
-        check_folder(tmp)
+        if encoder:
+            export_encoder(model.graph, tmp, quant_format=quant_format, accuracy_level=level, meta=meta)
+            check_file(tmp / ENCODER_FILE)
+        else:
+            export_graphs(model.engine.graph, tmp, model.engine.context, PREFILL_CHUNK if chunk is None else chunk,
+                          quant_format=quant_format, accuracy_level=level, meta=meta)
+            check_folder(tmp)
+        del model
         _write_host(src_path, tmp)
         for f in tmp.rglob("*"):
             _fsync(f)

@@ -241,6 +241,53 @@ class _Builder:
         """Reshape to ``shape``, where None stands for the row count (static or not: -1)."""
         return self.op("Reshape", x, self.const([-1 if d is None else d for d in shape], np.int64))
 
+    def attention(self, q: str, K: str, V: str, visible: str, T: int | None, n: int | None, nq: int, kv: int,
+                  D: int, scale: float) -> str:
+        """Grouped-query attention of ``q [T, nq, D]`` over ``K``/``V`` ``[n, kv, D]`` where ``visible``
+        ``[T, n]`` (finite `MASKED` scores elsewhere): ``[T, nq * D]``."""
+        qh = self.reshape(self.op("Transpose", q, perm=[1, 0, 2]), [kv, nq // kv, T, D])
+        scores = self.op("MatMul", qh, self.reshape(self.op("Transpose", K, perm=[1, 2, 0]), [kv, 1, D, n]))
+        if scale != 1.0:
+            scores = self.op("Mul", scores, self.const(scale))
+        scores = self.op("Where", visible, scores, self.const(MASKED))
+        o = self.op("MatMul", self.op("Softmax", scores, axis=-1),
+                    self.reshape(self.op("Transpose", V, perm=[1, 0, 2]), [kv, 1, n, D]))
+        return self.reshape(self.op("Transpose", self.reshape(o, [nq, T, D]), perm=[1, 0, 2]), [T, nq * D])
+
+    def layer(self, cfg: ModelConfig, s, w, h: str, ple: str | None, rope: tuple[str, str], T: int | None,
+              attend) -> str:
+        """One Gemma layer on rows ``h [T, H]``, as `graph.layer_step` (the decoder's and the encoder's):
+        ``ple`` this layer's PLE rows ``[T, P]`` or None; ``attend(q, k, v) -> [T, nq * D]``, ``k``/``v``
+        None on KV-shared layers."""
+        p, D, kv, eps, nq = f"layers.{s.index}.", s.head_dim, s.num_kv_heads, cfg.rms_norm_eps, cfg.num_attention_heads
+        bias = w.bias or {}
+        cos, sin = rope
+
+        def proj(x: str, attr: str) -> str:
+            y = self.matmul(x, getattr(w, attr), p + attr)
+            return self.op("Add", y, self.weight(p + attr + ".bias", bias[attr])) if attr in bias else y
+
+        a = self.rms(h, w.ln_in, eps, p + "ln_in")
+        q = self.rope(self.rms(self.reshape(proj(a, "q"), [T, nq, D]), w.q_norm, eps, p + "q_norm"), cos, sin, D)
+        k = v = None
+        if s.owns_kv:
+            kraw = self.reshape(proj(a, "k"), [T, kv, D])
+            vraw = kraw if s.k_eq_v else self.reshape(proj(a, "v"), [T, kv, D])
+            k = self.rope(self.rms(kraw, w.k_norm, eps, p + "k_norm"), cos, sin, D)
+            v = self.rms(vraw, None, eps) if cfg.v_norm else vraw
+        h = self.op("Add", h, self.rms(proj(attend(q, k, v), "o"), w.ln_post_attn, eps, p + "ln_post_attn"))
+
+        m = self.rms(h, w.ln_pre_ff, eps, p + "ln_pre_ff")
+        m = self.matmul(self.gelu_mul(self.matmul(m, w.gate, p + "gate"), self.matmul(m, w.up, p + "up")), w.down,
+                        p + "down")
+        h = self.op("Add", h, self.rms(m, w.ln_post_ff, eps, p + "ln_post_ff"))
+        if ple is not None:
+            g = self.gelu_mul(self.matmul(h, w.ple_gate, p + "ple_gate"), ple)
+            h = self.op("Add", h, self.rms(self.matmul(g, w.ple_proj, p + "ple_proj"), w.ple_norm, eps, p + "ple_norm"))
+        if w.layer_scalar is not None:
+            h = self.op("Mul", h, self.const(w.layer_scalar))
+        return h
+
     def model(self, nodes_name: str, inputs: list, outputs: list, meta: dict[str, str]) -> onnx.ModelProto:
         g = helper.make_graph(self.nodes, nodes_name, inputs, outputs, self.inits)
         opsets = [helper.make_opsetid("", self.opset)] + [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
@@ -279,7 +326,8 @@ def export_graphs(graph: DecoderGraph, out_dir: str | Path, context: int, chunk:
         onnx.save_model(model, str(out_dir / f))
     b = builders[GRAPH_FILE]
     kinds = {w["storage"] for w in b.matrices.values()}
-    manifest = {"format": MANIFEST_FORMAT, "version": 1, "family": cfg.family, "context": context, "chunk": chunk,
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, "kind": "decoder", "family": cfg.family, "context": context,
+                "chunk": chunk,
                 "graphs": {"decode": GRAPH_FILE, "prefill": PREFILL_FILE, "dynamic": DYNAMIC_FILE}, "data": DATA_FILE,
                 "quant_format": quant_format if kinds - {"float32"} else None,
                 "accuracy_level": accuracy_level if kinds - {"float32"} else None,
@@ -289,8 +337,8 @@ def export_graphs(graph: DecoderGraph, out_dir: str | Path, context: int, chunk:
     return path
 
 
-def read_manifest(folder: str | Path) -> dict:
-    """An export folder's ``onnx.json`` (`CheckpointError` when it is missing or not ours)."""
+def read_manifest(folder: str | Path, kind: str = "decoder") -> dict:
+    """An export folder's ``onnx.json`` (`CheckpointError` when it is missing, not ours, or of another ``kind``)."""
     path = Path(folder) / MANIFEST
     try:
         m = json.loads(path.read_text())
@@ -300,8 +348,11 @@ def read_manifest(folder: str | Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or m.get("version") != 1:
         raise CheckpointError(f"{path}: not a gemmalite ONNX export manifest (format {MANIFEST_FORMAT!r}, version 1)")
-    for key, kind in (("context", int), ("chunk", int), ("graphs", dict), ("weights", dict)):
-        if not isinstance(m.get(key), kind):
+    if m.get("kind", "decoder") != kind:
+        raise CheckpointError(f"{path}: an export of an {m.get('kind')}, not of a {kind}")
+    need = {"graphs": dict, "weights": dict} | ({"context": int, "chunk": int} if kind == "decoder" else {})
+    for key, t in need.items():
+        if not isinstance(m.get(key), t):
             raise CheckpointError(f"{path}: {key!r} is missing or malformed")
     return m
 
@@ -385,49 +436,21 @@ def _build(b: _Builder, graph: DecoderGraph, context: int, T: int | None) -> onn
 
     caches: dict[int, tuple[str, str]] = {}  # layer -> its keys / values: past slots, then the rows
     for s, w in zip(cfg.layers, graph.layers):
-        p, D, kv = f"layers.{s.index}.", s.head_dim, s.num_kv_heads
-        bias = w.bias or {}
-        cos, sin = ropes[s.rope]
-
-        def proj(x: str, attr: str) -> str:
-            y = b.matmul(x, getattr(w, attr), p + attr)
-            return b.op("Add", y, b.weight(p + attr + ".bias", bias[attr])) if attr in bias else y
-
-        a = b.rms(h, w.ln_in, eps, p + "ln_in")
-        q = b.rope(b.rms(b.reshape(proj(a, "q"), [T, nq, D]), w.q_norm, eps, p + "q_norm"), cos, sin, D)
         c = specs.get(s.kv_source)
         vis, writes, which = cache_plan(c)
-        if s.owns_kv:
-            kraw = b.reshape(proj(a, "k"), [T, kv, D])
-            vraw = kraw if s.k_eq_v else b.reshape(proj(a, "v"), [T, kv, D])
-            k = b.rope(b.rms(kraw, w.k_norm, eps, p + "k_norm"), cos, sin, D)
-            v = b.rms(vraw, None, eps) if cfg.v_norm else vraw
-            pk, pv, nk, nv = c.names
-            b.op("Where", writes, b.op("Gather", k, which, axis=0), pk, out=nk)
-            b.op("Where", writes, b.op("Gather", v, which, axis=0), pv, out=nv)
-            caches[s.index] = (b.op("Concat", pk, k, axis=0), b.op("Concat", pv, v, axis=0))
-        K, V = caches[s.kv_source]
-        n = None if T is None else c.size + T
-        qh = b.reshape(b.op("Transpose", q, perm=[1, 0, 2]), [kv, nq // kv, T, D])
-        scores = b.op("MatMul", qh, b.reshape(b.op("Transpose", K, perm=[1, 2, 0]), [kv, 1, D, n]))
-        if cfg.attn_scale != 1.0:
-            scores = b.op("Mul", scores, b.const(cfg.attn_scale))
-        scores = b.op("Where", vis, scores, b.const(MASKED))
-        o = b.op("MatMul", b.op("Softmax", scores, axis=-1),
-                 b.reshape(b.op("Transpose", V, perm=[1, 0, 2]), [kv, 1, n, D]))
-        o = b.reshape(b.op("Transpose", b.reshape(o, [nq, T, D]), perm=[1, 0, 2]), [T, nq * D])
-        o = proj(o, "o")
-        h = b.op("Add", h, b.rms(o, w.ln_post_attn, eps, p + "ln_post_attn"))
 
-        m = b.rms(h, w.ln_pre_ff, eps, p + "ln_pre_ff")
-        m = b.matmul(b.gelu_mul(b.matmul(m, w.gate, p + "gate"), b.matmul(m, w.up, p + "up")), w.down, p + "down")
-        h = b.op("Add", h, b.rms(m, w.ln_post_ff, eps, p + "ln_post_ff"))
-        if ple is not None:
-            row = b.op("Gather", ple, b.const(s.index, np.int64), axis=1)  # [T, P]
-            g = b.gelu_mul(b.matmul(h, w.ple_gate, p + "ple_gate"), row)
-            h = b.op("Add", h, b.rms(b.matmul(g, w.ple_proj, p + "ple_proj"), w.ple_norm, eps, p + "ple_norm"))
-        if w.layer_scalar is not None:
-            h = b.op("Mul", h, b.const(w.layer_scalar))
+        def attend(q: str, k: str | None, v: str | None, s=s, c=c, vis=vis, writes=writes, which=which) -> str:
+            if k is not None:
+                pk, pv, nk, nv = c.names
+                b.op("Where", writes, b.op("Gather", k, which, axis=0), pk, out=nk)
+                b.op("Where", writes, b.op("Gather", v, which, axis=0), pv, out=nv)
+                caches[s.index] = (b.op("Concat", pk, k, axis=0), b.op("Concat", pv, v, axis=0))
+            K, V = caches[s.kv_source]
+            return b.attention(q, K, V, vis, T, None if T is None else c.size + T, nq, s.num_kv_heads, s.head_dim,
+                               cfg.attn_scale)
+
+        row = None if ple is None else b.op("Gather", ple, b.const(s.index, np.int64), axis=1)  # [T, P]
+        h = b.layer(cfg, s, w, h, row, ropes[s.rope], T, attend)
     b.rms(h, graph.final_norm, eps, "final_norm")
     b.nodes[-1].output[0] = "hidden"
 

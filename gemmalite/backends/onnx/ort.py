@@ -113,19 +113,28 @@ def session_options(manifest: dict, threads: int | None):
     return opts
 
 
+def open_session(path: Path, opts, providers: list | None):
+    """An ``InferenceSession`` on ``providers`` (default CPU); `ConfigError` naming those ONNX Runtime lacks here."""
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    providers = list(providers) if providers else ["CPUExecutionProvider"]
+    missing = [p for p in provider_names(providers) if p not in avail]
+    if missing:
+        raise ConfigError(f"ONNX Runtime providers {missing} are not available here (available: {avail})")
+    return ort.InferenceSession(str(path), opts, providers=providers)
+
+
+def provider_names(providers: list | None) -> list[str]:
+    """Provider names of a ``providers`` list (names, or (name, options) pairs)."""
+    return [p[0] if isinstance(p, tuple) else p for p in (providers or ["CPUExecutionProvider"])]
+
+
 class OrtGraph:
     """An export folder's graphs (`export.read_manifest`), each run by an ``onnxruntime.InferenceSession``."""
 
     def __init__(self, folder: str | Path, cfg: ModelConfig, providers: list | None = None,
                  threads: int | None = None, static: bool | None = None):
-        import onnxruntime as ort
-
-        avail = ort.get_available_providers()
-        providers = list(providers) if providers else ["CPUExecutionProvider"]
-        names = [p[0] if isinstance(p, tuple) else p for p in providers]
-        missing = [p for p in names if p not in avail]
-        if missing:
-            raise ConfigError(f"ONNX Runtime providers {missing} are not available here (available: {avail})")
         self.path = Path(folder)
         self.manifest = m = read_manifest(self.path)
         if m.get("family") != cfg.family:
@@ -134,16 +143,15 @@ class OrtGraph:
         self.context = m["context"]
         self.specs = cache_specs(cfg, self.context)
         self.has_ple = bool(cfg.ple_dim)
-        self.static = any(n in STATIC_PROVIDERS for n in names) if static is None else bool(static)
+        self.static = any(n in STATIC_PROVIDERS for n in provider_names(providers)) if static is None else bool(static)
         opts = session_options(m, threads)
         graphs = m["graphs"]
         if self.static:
-            self.session = ort.InferenceSession(str(self.path / graphs["decode"]), opts, providers=providers)
-            self.prefill = ort.InferenceSession(str(self.path / graphs["prefill"]), opts, providers=providers)
+            self.session = open_session(self.path / graphs["decode"], opts, providers)
+            self.prefill = open_session(self.path / graphs["prefill"], opts, providers)
             self.chunk = int(self.prefill.get_inputs()[0].shape[0])
         else:
-            self.session = self.prefill = ort.InferenceSession(str(self.path / graphs["dynamic"]), opts,
-                                                               providers=providers)
+            self.session = self.prefill = open_session(self.path / graphs["dynamic"], opts, providers)
             self.chunk = DYNAMIC_ROWS
         self.layers, self.ple, self.final_norm = _describe(self.path / graphs["dynamic"], cfg, m)
 
