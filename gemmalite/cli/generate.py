@@ -47,14 +47,15 @@ def load_args(p: argparse.ArgumentParser) -> None:
     threads_arg(p)
 
 
-def backend_args(p: argparse.ArgumentParser) -> None:
+def backend_args(p: argparse.ArgumentParser, what: str = "decoder graph", static: bool = True) -> None:
     p.add_argument("--backend", choices=["gemmalite", "onnxruntime"], default="gemmalite",
-                   help="who runs the decoder graph: our CPU kernels, or its ONNX export on ONNX Runtime")
+                   help=f"who runs the {what}: our CPU kernels, or its ONNX export on ONNX Runtime")
     p.add_argument("--provider", dest="providers", action="append", default=None,
                    help="ONNX Runtime execution provider, in order of preference (repeatable; default CPU)")
-    p.add_argument("--static-shapes", dest="static_shapes", action="store_const", const=True, default=None,
-                   help="onnxruntime: run the static decode / prefill graphs an NPU compiles (default for NPU "
-                        "providers) instead of the one with a free row count")
+    if static:
+        p.add_argument("--static-shapes", dest="static_shapes", action="store_const", const=True, default=None,
+                       help="onnxruntime: run the static decode / prefill graphs an NPU compiles (default for NPU "
+                            "providers) instead of the one with a free row count")
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
