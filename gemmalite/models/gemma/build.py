@@ -86,9 +86,6 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) 
     return GemmaWeights(graph, *host_tables(cfg, tensors, quant))
 
 
-HOST_TENSORS = ("embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight")
-
-
 def host_tables(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) -> tuple[Matrix, Matrix, Matrix | None]:
     """The host side's tables: token embedding, LM head (the embedding when tied and not
     quantized; an untied head, or the quantized copy a converted checkpoint stores) and the PLE
