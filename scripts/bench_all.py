@@ -424,7 +424,8 @@ def run_row(row: Row, a) -> dict:
                 for x, cmd in cmds:
                     out = run_command(cmd, a, Path(tmp))
                     for f in row.figs(x, out, a):
-                        d = figs.setdefault((f.what, f.peer_name), {**f.__dict__, "ours": [], "peer": []})  # one line per peer
+                        # one line per figure and peer (the EmbeddingGemma 2 rows give each figure twice)
+                        d = figs.setdefault((f.what, f.peer_name), {**f.__dict__, "ours": [], "peer": []})
                         if f.side != "peer":
                             d["ours"].append(f.ours)
                         if f.side != "ours":

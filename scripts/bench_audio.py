@@ -22,11 +22,12 @@ with one ``--seconds`` s clip, gemmalite int8 / float32 against transformers bf1
 timing; ``--hf-float32`` adds transformers float32); each engine takes a new clip per timed turn
 (no soft-token cache hit), median of ``--turns``.
 
-gemmalite runs as a user gets it: every CPU the process may use (``NUMBA_NUM_THREADS`` = ``--threads``),
-its governor dropping to one thread while the machine is busy. Clips: deterministic synthetic signals (a gliding tone with harmonics, an amplitude envelope and
-noise, a different seed per clip), not speech: the cost of every stage depends on the clip's
-length only. Engines alternate within each round (A B C A B C ...); the tables give medians over
-the rounds and the ratios against the peers.
+gemmalite runs as a user gets it: every CPU the process may use (``NUMBA_NUM_THREADS`` =
+``--threads``), its governor dropping to one thread while the machine is busy. Clips:
+deterministic synthetic signals (a gliding tone with harmonics, an amplitude envelope and noise, a
+different seed per clip), not speech: the cost of every stage depends on the clip's length only.
+Engines alternate within each round (A B C A B C ...); the tables give medians over the rounds
+and the ratios against the peers (TTFT: ours / theirs, lower is better).
 """
 from __future__ import annotations
 
