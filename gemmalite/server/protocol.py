@@ -363,10 +363,10 @@ def transcription_messages(clip: bytes, language: str | None = None, prompt: str
     with a language, its "Best Practices / Audio" ASR prompt ("Transcribe the following speech
     segment in {LANGUAGE} into {LANGUAGE} text." then a blank line and the two formatting rules);
     without one, the instruction of its "Code for processing Audio" example ("... in its original
-    language. Follow these specific instructions ..." on one line); the audio before the text, as
-    that example places it ("Prompt - add audio before text") and its "Modality order" practice
-    says. The same prompts appear in ai.google.dev/gemma/docs/capabilities/audio. The line for
-    OpenAI's ``prompt`` field is this server's own (Google documents no prompt-biasing wording)."""
+    language." and the same rules, joined by a space, not a blank line); the audio before the text, as
+    that example places it ("Prompt - add audio before text") and as its "Modality order" practice
+    says. The line for OpenAI's ``prompt`` field is this server's own (Google documents no wording
+    for a transcription hint)."""
     name = LANGUAGES.get(language, language) if language else None
     rules = ("Follow these specific instructions for formatting the answer:\n"
              "* Only output the transcription, with no newlines.\n"
