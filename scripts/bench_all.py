@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The whole benchmark table against the peers from one command: runs the side-by-side scripts
 (compare_peers.py, bench_gemma3_gguf.py, bench_server.py, bench_prompt_lookup.py,
-bench_eg2_peers.py, bench_eg2_images.py) row by row, keeps each row's figures with its date, CPU,
+bench_eg2_peers.py, bench_eg2_images.py, bench_audio.py) row by row, keeps each row's figures with its date, CPU,
 machine load and exact command, and writes the markdown table and SVG plots. Run by hand, never in CI.
 
     python scripts/bench_all.py --quick                  # the real Gemma 3 270M rows only, minutes
@@ -309,6 +309,35 @@ def onnx_figs(_x, out, a):
     return figs
 
 
+def eg2_audio_figs(_x, out, a):
+    m = out["median"]
+    ours, res = m["gemmalite/int8"], []
+    if "error" in ours:
+        raise RuntimeError(f"gemmalite int8: {ours['error']}")
+    for peer, name in (("egemma2/none", "egemma2 (CPU)"), ("transformers/none", "transformers float32")):
+        q = m.get(peer, {})
+        note = _peer_note(peer, q)
+        q = {} if note else q
+        res += [Fig(f"{out['args']['clips']} clips of {out['args']['seconds']:g} s", "clips/s", ours["clips_s"], name,
+                    q.get("clips_s"), note),
+                Fig("peak RSS, audio (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30, name,
+                    q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
+    return res
+
+
+def audio_ttft_figs(_x, out, a):
+    m = out["median"]
+    ours, q = m["gemmalite/int8"], m.get("transformers/bf16", {})
+    if "error" in ours:
+        raise RuntimeError(f"gemmalite int8: {ours['error']}")
+    note = q.get("error", "") and f"failed: {q['error'][:120]}"
+    q = {} if note else q
+    what = f"first token, one {out['args']['seconds']:g} s clip ({ours['prompt_tokens']} prompt tokens; lower is better)"
+    return [Fig(what, "s", ours["ttft_s"], "transformers bf16", q.get("ttft_s"), note),
+            Fig("peak RSS, chat with a clip (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30,
+                "transformers bf16", q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
+
+
 ROWS = [
     Row("g3-long", "Gemma 3 270M Q4_K_M (the bundled `gemma3-270m`, real weights) against llama.cpp, "
         "prompt lengths", True, g3_commands, g3_figs,
@@ -345,6 +374,14 @@ ROWS = [
     Row("eg2-images", "EmbeddingGemma 2, int8 image embeddings", False,
         lambda a: [(None, py("bench_eg2_images.py", a.eg2, "--images", a.images, "--rounds", 1,
                              "--threads", a.threads, "--json"))], eg2_image_figs, need_dirs("eg2")),
+    Row("eg2-audio", "EmbeddingGemma 2, int8 audio embeddings (10 s clips)", False,
+        lambda a: [(None, py("bench_audio.py", "embed", a.eg2, "--converted-int8", a.eg2_int8, "--clips", 8,
+                             "--rounds", 1, "--threads", a.threads, "--json"))], eg2_audio_figs,
+        need_dirs("eg2", "eg2_int8")),
+    Row("e2b-audio", "Gemma 4 E2B shape, int8, time to the first token of a chat turn with a 10 s clip", False,
+        lambda a: [(None, py("bench_audio.py", "ttft", a.e2b, "--converted-int8", a.e2b_int8, "--turns", 3,
+                             "--rounds", 1, "--threads", a.threads, "--engines", "gemmalite/int8,transformers/bf16",
+                             "--json"))], audio_ttft_figs, need_dirs("e2b", "e2b_int8")),
 ]
 
 
@@ -410,7 +447,7 @@ def run_row(row: Row, a) -> dict:
     if why:
         return {**rec, "status": why}
     rounds = row.rounds or a.rounds
-    figs: dict[str, dict] = {}
+    figs: dict[tuple[str, str], dict] = {}
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
@@ -418,7 +455,8 @@ def run_row(row: Row, a) -> dict:
                 for x, cmd in cmds:
                     out = run_command(cmd, a, Path(tmp))
                     for f in row.figs(x, out, a):
-                        d = figs.setdefault(f.what, {**f.__dict__, "ours": [], "peer": []})
+                        # one line per figure and peer (the EmbeddingGemma 2 rows give each figure twice)
+                        d = figs.setdefault((f.what, f.peer_name), {**f.__dict__, "ours": [], "peer": []})
                         if f.side != "peer":
                             d["ours"].append(f.ours)
                         if f.side != "ours":
@@ -436,7 +474,7 @@ def run_row(row: Row, a) -> dict:
 def fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
-    digits = 3 if unit in ("texts/s", "images/s") and v < 10 else 2 if v < 10 else 1 if v < 1000 else 0
+    digits = 3 if unit in ("texts/s", "images/s", "clips/s") and v < 10 else 2 if v < 10 else 1 if v < 1000 else 0
     return f"{v:,.{digits}f} {unit}"
 
 
