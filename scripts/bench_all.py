@@ -286,6 +286,29 @@ def eg2_image_figs(_x, out, a):
     return res
 
 
+def onnx_figs(_x, out, a):
+    """gemmalite's kernels against its ONNX export on ONNX Runtime's CPU provider, per weight format."""
+    import onnxruntime
+
+    peer = f"ONNX Runtime {onnxruntime.__version__} CPU (gemmalite export)"
+    figs = []
+    for fmt, r in out["formats"].items():
+        med = r.get("medians")
+        if med is None:
+            raise RuntimeError(f"{fmt}: export failed: {r['export'].get('error', '?')[:150]}")
+        g, o = med["gemmalite"], med.get("onnxruntime", {})
+        if "error" in g:
+            raise RuntimeError(f"gemmalite {fmt}: {g['error'][:150]}")
+        note = o.get("error", "") and f"failed: {o['error'][:120]}"
+        o = {} if note else o
+        label = {"float": "float (bf16 in place; ORT float32)", "int8": "int8", "int4": "int4"}[fmt]
+        figs += [Fig(f"decode, {label}", "tok/s", g["decode_tok_s"], peer, o.get("decode_tok_s"), note),
+                 Fig(f"prefill, {label}", "tok/s", g["prefill_tok_s"], peer, o.get("prefill_tok_s"), note),
+                 Fig(f"peak RSS, {label} (lower is better)", "GiB", g["peak_rss_bytes"] / 2**30, peer,
+                     o["peak_rss_bytes"] / 2**30 if o else None, note)]
+    return figs
+
+
 def eg2_audio_figs(_x, out, a):
     m = out["median"]
     ours, res = m["gemmalite/int8"], []
@@ -337,6 +360,14 @@ ROWS = [
     Row("e2b-server", "the server, E2B int8 against `llama-server` (Q8_0), 32 tokens a stream", False,
         server_commands(lambda a: a.e2b_int8, q8_gguf, "1,2,4,8", 32), server_figs, need_dirs("e2b", "e2b_int8"),
         plot=("tok/s", "concurrent streams", "aggregate decode tok/s")),
+    Row("e2b-onnx", "Gemma 4 E2B shape, gemmalite's kernels against its ONNX export on ONNX Runtime (CPU provider), "
+        "float / int8 / int4", False,
+        lambda a: [(None, py("bench_onnx.py", "--model", a.e2b, "--converted-int8", a.e2b_int8, "--converted-int4",
+                             a.e2b_int4, "--prompt-tokens", 128, "--new-tokens", 16, "--runs", 2, "--rounds", a.rounds,
+                             "--threads", a.threads, "--json", "{out}"))],
+        onnx_figs, lambda a: need_dirs("e2b", "e2b_int8", "e2b_int4")(a) or (
+            None if has_module("onnxruntime") else "not run: onnxruntime is not installed (pip install 'gemmalite[onnx]')"),
+        rounds=1),
     Row("eg2-text", "EmbeddingGemma 2 (whole 744 M model, random weights), int8 text embeddings", False,
         lambda a: [(None, py("bench_eg2_peers.py", a.eg2, "--converted-int8", a.eg2_int8, "--rounds", 1,
                              "--threads", a.threads, "--json"))], eg2_text_figs, need_dirs("eg2", "eg2_int8")),
