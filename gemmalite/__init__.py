@@ -5,10 +5,10 @@ from . import settings
 # package), worker threads that sleep instead of spinning when they wait (see settings.py).
 settings.apply()
 from .chat import ChatReply, ToolCall  # noqa: E402
-from .embeddings import Embedder, load_embedder  # noqa: E402
+from .embeddings import Embedder  # noqa: E402
 from .errors import (AudioError, CheckpointError, ConfigError, ContextError, ImageError, InputError,  # noqa: E402
                      NumericalError, TokenizerError)
-from .loader import load, load_tokenizer  # noqa: E402
+from .loader import load, load_embedder, load_tokenizer  # noqa: E402
 from .model import ChatSession, Completion, Model  # noqa: E402
 from .runtime.constrain import Grammar  # noqa: E402
 from .runtime.generate import GenerationStats, Stream  # noqa: E402

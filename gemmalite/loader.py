@@ -16,7 +16,12 @@ from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .model import Model
 from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
-from .models.gemma.build import QUANT_KINDS, build_weights
+from .backends.onnx import MANIFEST as ONNX_MANIFEST
+from .formats.converted import check_manifest
+from .embeddings import Embedder
+from .embeddings.embedder import load_embedder as embeddings_loader
+from .embeddings.embedder import own_encoder
+from .models.gemma.build import QUANT_KINDS, build_weights, host_tables, matrix_factory, table
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
 from .runtime import inputs
@@ -49,14 +54,18 @@ BACKENDS = ("gemmalite", "onnxruntime")
 
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
          threads: int | None = None, drafter: str | Path | None = None, backend: str = "gemmalite",
-         providers: list | None = None) -> Model:
+         providers: list | None = None, static_shapes: bool | None = None) -> Model:
     """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
     ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
     capped to the same number process-wide); ``drafter``: a ``gemma4_assistant`` folder (MTP
     speculative decoding: the same text, fewer target steps where its drafts are kept).
     ``backend="onnxruntime"`` runs the decoder graph exported to ONNX (`gemmalite.backends.onnx`,
-    the ``onnx`` extra) on ONNX Runtime's ``providers`` (default CPU); the host side stays ours."""
+    the ``onnx`` extra) on ONNX Runtime's ``providers`` (default CPU); the host side stays ours.
+    ``path`` is then a checkpoint (exported on load, its weights as stored or ``quant``) or a
+    folder written by ``gemmalite export`` (opened as it is). ``static_shapes``: run the static
+    decode / prefill graphs an NPU compiles instead of the one with a free row count (default:
+    static for the NPU providers `STATIC_PROVIDERS` names)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a str or a path, got {type(path).__name__}")
     if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
@@ -67,10 +76,10 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "onnxruntime" and drafter is not None:
         raise InputError("an MTP drafter reads the CPU graph's KV cache: it does not go with backend='onnxruntime'")
-    if backend == "onnxruntime" and quant is not None:
-        raise InputError("the onnxruntime backend runs the weights as stored: quant must be None")
-    if providers is not None and backend != "onnxruntime":
-        raise InputError("providers are for backend='onnxruntime'")
+    if (providers is not None or static_shapes is not None) and backend != "onnxruntime":
+        raise InputError("providers and static_shapes are for backend='onnxruntime'")
+    if static_shapes not in (None, True, False):
+        raise InputError(f"static_shapes must be None, True or False, got {static_shapes!r}")
     if context is not None:
         inputs.integer(context, "context", 1)
     check_threads(threads)
@@ -78,6 +87,7 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     vision = audio = None
+    export = _onnx_export(p, backend)
     if p.is_file():
         if not is_gguf(p):
             raise CheckpointError(f"{p}: not a GGUF file or a checkpoint folder")
@@ -85,22 +95,34 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     else:
         cfg, tensors, raw = load_folder(p)
         _check_requantize(p, raw, quant)
+        if export is not None:
+            quant, context = _export_settings(p, export, quant, context)
         towers = any(isinstance(raw.get(k), dict) for k in ("vision_config", "audio_config"))
         stored = read_tensors(p, raw) if towers else {}  # memory-mapped: only headers are read here
         vision, audio = _vision(p, raw, quant, stored), folder_audio(raw, stored, quant)
         tokenizer = load_tokenizer_folder(p)
         gen = read_json(p / "generation_config.json") if (p / "generation_config.json").exists() else None
-    check_tensors(cfg, tensors, str(p))
+    if export is None:
+        check_tensors(cfg, tensors, str(p))
+    else:
+        _check_host_tensors(cfg, tensors, p)
     try:
         defaults = GenerationDefaults.from_generation_config(gen, cfg.eos_token_ids)
     except InputError as e:
         raise CheckpointError(f"{p / 'generation_config.json' if p.is_dir() else p}: {e}") from None
     if tokenizer is not None:
         tokenizer.fallback_template = FALLBACK_TEMPLATES[cfg.family]
-    w = build_weights(cfg, tensors, quant)
     ctx = resolve_context(context, cfg)
-    graph = _onnx_graph(w.graph, ctx, providers, threads) if backend == "onnxruntime" else w.graph
-    engine = Engine(graph, w.embed, w.lm_head, w.ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
+    if export is not None:
+        embed, lm_head, ple_table = host_tables(cfg, tensors, quant)
+        graph = _onnx_graph(p, cfg, ctx, providers, threads, static_shapes)
+    else:
+        w = build_weights(cfg, tensors, quant)
+        embed, lm_head, ple_table = w.embed, w.lm_head, w.ple_table
+        graph = _onnx_graph(w.graph, cfg, ctx, providers, threads, static_shapes) if backend == "onnxruntime" \
+            else w.graph
+        del w  # an exported graph's source weights go with it
+    engine = Engine(graph, embed, lm_head, ple_table, vocab_size=cfg.vocab_size, embed_scale=cfg.embed_scale,
                     ple_scale=float(np.sqrt(cfg.ple_dim)), softcap=cfg.final_logit_softcapping,
                     context=ctx, pad_id=cfg.pad_token_id or 0, threads=threads)
     mtp = load_drafter(drafter, engine, cfg, quant) if drafter is not None else None
@@ -126,12 +148,87 @@ def load_drafter(path: str | Path, engine: Engine, target: ModelConfig, quant: s
         raise ConfigError(f"{p}: {e}") from None
 
 
-def _onnx_graph(graph, context: int, providers: list | None, threads: int | None):
+def _onnx_graph(source, cfg: ModelConfig, context: int, providers: list | None, threads: int | None,
+                static: bool | None):
+    """The ONNX Runtime graph of an export folder, or of a `DecoderGraph` exported on load."""
     try:
         from .backends.onnx.ort import OrtGraph
     except ImportError as e:
         raise ConfigError(f"backend='onnxruntime' needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
-    return OrtGraph.export(graph, context, providers, threads)
+    if isinstance(source, Path):
+        return OrtGraph(source, cfg, providers, threads, static)
+    return OrtGraph.export(source, context, providers, threads, static=static)
+
+
+def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
+    """The manifest of a ``gemmalite export`` folder (None for anything else)."""
+    if not (p.is_dir() and (p / ONNX_MANIFEST).is_file()):
+        return None
+    if backend != "onnxruntime":
+        raise ConfigError(f"{p} is an ONNX export (gemmalite export): load it with backend='onnxruntime' "
+                          "(--backend onnxruntime)")
+    try:
+        from .backends.onnx.export import read_manifest
+    except ImportError as e:
+        raise ConfigError(f"{p} is an ONNX export: it needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    check_manifest(p)
+    return read_manifest(p, kind)
+
+
+def load_embedder(path: str | Path, quant: str | None = None, threads: int | None = None, *,
+                  backend: str = "gemmalite", providers: list | None = None) -> Embedder:
+    """An `Embedder` for an EmbeddingGemma 2 folder (`gemmalite.embeddings.load_embedder`).
+    ``backend="onnxruntime"`` runs the encoder exported to ONNX on ONNX Runtime's ``providers``:
+    exported on load, or a folder written by ``gemmalite export`` (opened as it is)."""
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if providers is not None and backend != "onnxruntime":
+        raise InputError("providers are for backend='onnxruntime'")
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"path must be a str or a path, got {type(path).__name__}")
+    p = Path(path)
+    export = _onnx_export(p, backend, "encoder")
+    if backend == "gemmalite":
+        return embeddings_loader(p, quant, threads)
+    try:
+        from .backends.onnx.encoder import OrtEncoder
+    except ImportError as e:
+        raise ConfigError(f"backend='onnxruntime' needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    if export is None:
+        def encoder(cfg, tensors, q, folder):
+            return OrtEncoder.export(own_encoder(cfg, tensors, q, folder), providers, threads)
+    else:
+        quant = _export_settings(p, export, quant, None)[0]
+
+        def encoder(cfg, tensors, q, folder):
+            _check_host_tensors(cfg, tensors, p, ["embed_tokens.weight", "embedding_projection.weight"])
+            return OrtEncoder(p, cfg, table(tensors["embed_tokens.weight"]),
+                              matrix_factory(q)(tensors["embedding_projection.weight"]), providers, threads)
+    return embeddings_loader(p, quant, threads, encoder=encoder)
+
+
+def _export_settings(p: Path, manifest: dict, quant: str | None, context: int | None) -> tuple[str | None, int | None]:
+    """The host side's quantization and the context an export was written with (asking for others is an error)."""
+    hq = manifest.get("quant")
+    if hq not in QUANT_KINDS:
+        raise CheckpointError(f"{p / ONNX_MANIFEST}: unknown quant {hq!r}")
+    if quant is not None and quant != hq:
+        raise ConfigError(f"{p} was exported with quant={hq!r}; quant={quant!r} would need another export "
+                          "(gemmalite export --quant)")
+    if context is not None and context != manifest.get("context"):
+        raise ConfigError(f"{p} was exported for a context of {manifest['context']}, not {context} "
+                          "(gemmalite export --context)")
+    return hq, manifest.get("context")
+
+
+def _check_host_tensors(cfg: ModelConfig, tensors: dict, p: Path, need: list[str] | None = None) -> None:
+    """An export folder holds the host's tables (the graph holds the rest)."""
+    if need is None:
+        need = ["embed_tokens.weight"] + (["embed_tokens_per_layer.weight"] if cfg.ple_dim else []) + \
+            ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
+    missing = [n for n in need if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{p}: the export lacks the host tensors {missing}")
 
 
 def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision | None:

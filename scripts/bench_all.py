@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The whole benchmark table against the peers from one command: runs the side-by-side scripts
-(compare_peers.py, bench_gemma3_gguf.py, bench_server.py, bench_prompt_lookup.py,
-bench_eg2_peers.py, bench_eg2_images.py) row by row, keeps each row's figures with its date, CPU,
+(compare_peers.py, bench_gemma3_gguf.py, bench_server.py, bench_prompt_lookup.py, bench_mtp.py, bench_onnx.py,
+bench_eg2_peers.py, bench_eg2_images.py, bench_audio.py) row by row, keeps each row's figures with its date, CPU,
 machine load and exact command, and writes the markdown table and SVG plots. Run by hand, never in CI.
 
     python scripts/bench_all.py --quick                  # the real Gemma 3 270M rows only, minutes
-    python scripts/bench_all.py                          # every row, 3 rounds (~1.5-2 h on 2 quiet cores; scripts/README.md: a ~1 h plan)
+    python scripts/bench_all.py                          # every row, 3 rounds (~2 h on 2 quiet cores)
+    (scripts/README.md: "The full run", a plan that fits about an hour, most wanted rows first)
     python scripts/bench_all.py --smoke                  # every row once, smallest settings: does it run?
     python scripts/bench_all.py --only e2b-int8,g3-long  # rerun some rows, keep the others' figures
     python scripts/bench_all.py --page BENCHMARKS.md     # also replace the page's table block
@@ -396,11 +397,10 @@ def eg2_text_figs(_x, out, a):
         q = out.get(peer, {})
         note = _peer_note(peer, q)
         q = {} if note else q
-        vs = f", against {name.split()[0]}"  # one line per peer: lines merge across rounds by this text
-        res += [Fig(f"one 18-token query (lower is better){vs}", "ms", ours["query_ms"], name, q.get("query_ms"), note),
-                Fig(f"{a.docs} documents of 512 tokens{vs}", "texts/s", ours["docs_texts_s"], name,
+        res += [Fig("one 18-token query (lower is better)", "ms", ours["query_ms"], name, q.get("query_ms"), note),
+                Fig(f"{a.docs} documents of 512 tokens", "texts/s", ours["docs_texts_s"], name,
                     q.get("docs_texts_s"), note),
-                Fig(f"peak RSS, text (lower is better){vs}", "GiB", ours["peak_rss_bytes"] / 2**30, name,
+                Fig("peak RSS, text (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30, name,
                     q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
     return res
 
@@ -412,11 +412,62 @@ def eg2_image_figs(_x, out, a):
         q = m.get(peer, {})
         note = _peer_note(peer, q)
         q = {} if note else q
-        vs = f", against {name.split()[0]}"
-        res += [Fig(f"{a.images} images of 768 x 768{vs}", "images/s", ours["images_s"], name, q.get("images_s"), note),
-                Fig(f"peak RSS, images (lower is better){vs}", "GiB", ours["peak_rss_bytes"] / 2**30, name,
+        res += [Fig(f"{a.images} images of 768 x 768", "images/s", ours["images_s"], name, q.get("images_s"), note),
+                Fig("peak RSS, images (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30, name,
                     q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
     return res
+
+
+def onnx_figs(_x, out, a):
+    """gemmalite's kernels against its ONNX export on ONNX Runtime's CPU provider, per weight format."""
+    import onnxruntime
+
+    peer = f"ONNX Runtime {onnxruntime.__version__} CPU (gemmalite export)"
+    figs = []
+    for fmt, r in out["formats"].items():
+        med = r.get("medians")
+        if med is None:
+            raise RuntimeError(f"{fmt}: export failed: {r['export'].get('error', '?')[:150]}")
+        g, o = med["gemmalite"], med.get("onnxruntime", {})
+        if "error" in g:
+            raise RuntimeError(f"gemmalite {fmt}: {g['error'][:150]}")
+        note = o.get("error", "") and f"failed: {o['error'][:120]}"
+        o = {} if note else o
+        label = {"float": "float (bf16 in place; ORT float32)", "int8": "int8", "int4": "int4"}[fmt]
+        figs += [Fig(f"decode, {label}", "tok/s", g["decode_tok_s"], peer, o.get("decode_tok_s"), note),
+                 Fig(f"prefill, {label}", "tok/s", g["prefill_tok_s"], peer, o.get("prefill_tok_s"), note),
+                 Fig(f"peak RSS, {label} (lower is better)", "GiB", g["peak_rss_bytes"] / 2**30, peer,
+                     o["peak_rss_bytes"] / 2**30 if o else None, note)]
+    return figs
+
+
+def eg2_audio_figs(_x, out, a):
+    m = out["median"]
+    ours, res = m["gemmalite/int8"], []
+    if "error" in ours:
+        raise RuntimeError(f"gemmalite int8: {ours['error']}")
+    for peer, name in (("egemma2/none", "egemma2 (CPU)"), ("transformers/none", "transformers float32")):
+        q = m.get(peer, {})
+        note = _peer_note(peer, q)
+        q = {} if note else q
+        res += [Fig(f"{out['args']['clips']} clips of {out['args']['seconds']:g} s", "clips/s", ours["clips_s"], name,
+                    q.get("clips_s"), note),
+                Fig("peak RSS, audio (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30, name,
+                    q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
+    return res
+
+
+def audio_ttft_figs(_x, out, a):
+    m = out["median"]
+    ours, q = m["gemmalite/int8"], m.get("transformers/bf16", {})
+    if "error" in ours:
+        raise RuntimeError(f"gemmalite int8: {ours['error']}")
+    note = q.get("error", "") and f"failed: {q['error'][:120]}"
+    q = {} if note else q
+    what = f"first token, one {out['args']['seconds']:g} s clip ({ours['prompt_tokens']} prompt tokens; lower is better)"
+    return [Fig(what, "s", ours["ttft_s"], "transformers bf16", q.get("ttft_s"), note),
+            Fig("peak RSS, chat with a clip (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30,
+                "transformers bf16", q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
 
 
 ROWS = [
@@ -448,16 +499,34 @@ ROWS = [
         server_commands(lambda a: a.e2b_int8, q8_gguf, "1,2,4,8", 32), server_figs(q8_gguf),
         need_dirs("e2b", "e2b_int8"),
         plot=("tok/s", "concurrent streams", "aggregate decode tok/s")),
+    Row("e2b-onnx", "Gemma 4 E2B shape, gemmalite's kernels against its ONNX export on ONNX Runtime (CPU provider), "
+        "float / int8 / int4", False,
+        lambda a: [(None, py("bench_onnx.py", "--model", a.e2b, "--converted-int8", a.e2b_int8, "--converted-int4",
+                             a.e2b_int4, "--prompt-tokens", size(a, 128, smoke=32),
+                             "--new-tokens", size(a, 16, smoke=4), "--runs", size(a, 2, smoke=1), "--rounds", a.rounds,
+                             *size(a, [], smoke=["--only", "int4"]),
+                             "--threads", a.threads, "--json", "{out}"))],
+        onnx_figs, lambda a: need_dirs("e2b", "e2b_int8", "e2b_int4")(a) or (
+            None if has_module("onnxruntime") else "not run: onnxruntime is not installed (pip install 'gemmalite[onnx]')"),
+        rounds=1),
     Row("eg2-text", "EmbeddingGemma 2 (whole 744 M model, random weights), int8 text embeddings", False,
-        lambda a: [(None, py("bench_eg2_peers.py", a.eg2, "--converted-int8", a.eg2_int8, "--rounds", 1, "--docs", a.docs,
-                             "--engines", "gemmalite/int8,transformers/none,egemma2/none",
+        lambda a: [(None, py("bench_eg2_peers.py", a.eg2, "--converted-int8", a.eg2_int8, "--rounds", 1,
+                             "--docs", a.docs, "--engines", "gemmalite/int8,transformers/none,egemma2/none",
                              "--threads", a.threads, "--json"))], eg2_text_figs, need_dirs("eg2", "eg2_int8")),
     Row("eg2-images", "EmbeddingGemma 2, int8 image embeddings", False,
         lambda a: [(None, py("bench_eg2_images.py", a.eg2, "--images", a.images, "--rounds", 1,
                              "--engines", "gemmalite/int8,transformers/none,egemma2/none",
                              "--threads", a.threads, "--json"))], eg2_image_figs, need_dirs("eg2")),
-    # (room for the audio rows, EmbeddingGemma 2 clips/s and E2B time to first token with a clip, and the
-    # ONNX row: their helpers add them here)
+    Row("eg2-audio", "EmbeddingGemma 2, int8 audio embeddings (10 s clips)", False,
+        lambda a: [(None, py("bench_audio.py", "embed", a.eg2, "--converted-int8", a.eg2_int8,
+                             "--clips", size(a, 8, smoke=1),
+                             "--rounds", 1, "--threads", a.threads, "--json"))], eg2_audio_figs,
+        need_dirs("eg2", "eg2_int8")),
+    Row("e2b-audio", "Gemma 4 E2B shape, int8, time to the first token of a chat turn with a 10 s clip", False,
+        lambda a: [(None, py("bench_audio.py", "ttft", a.e2b, "--converted-int8", a.e2b_int8,
+                             "--turns", size(a, 3, smoke=1),
+                             "--rounds", 1, "--threads", a.threads, "--engines", "gemmalite/int8,transformers/bf16",
+                             "--json"))], audio_ttft_figs, need_dirs("e2b", "e2b_int8")),
 ]
 
 
@@ -528,7 +597,7 @@ def run_row(row: Row, a) -> dict:
     if why:
         return {**rec, "status": why}
     rounds = row.rounds or a.rounds
-    figs: dict[str, dict] = {}
+    figs: dict[tuple[str, str], dict] = {}
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="bench_all_") as tmp:
@@ -536,7 +605,8 @@ def run_row(row: Row, a) -> dict:
                 for x, cmd in cmds:
                     out = run_command(cmd, a, Path(tmp))
                     for f in row.figs(x, out, a):
-                        d = figs.setdefault(f.what, {**f.__dict__, "ours": [], "peer": []})
+                        # one line per figure and peer (the EmbeddingGemma 2 rows give each figure twice)
+                        d = figs.setdefault((f.what, f.peer_name), {**f.__dict__, "ours": [], "peer": []})
                         if f.side != "peer":
                             d["ours"].append(f.ours)
                         if f.side != "ours":
@@ -554,7 +624,7 @@ def run_row(row: Row, a) -> dict:
 def fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
-    digits = 3 if unit in ("texts/s", "images/s") and v < 10 else 2 if v < 10 else 1 if v < 1000 else 0
+    digits = 3 if unit in ("texts/s", "images/s", "clips/s") and v < 10 else 2 if v < 10 else 1 if v < 1000 else 0
     return f"{v:,.{digits}f} {unit}"
 
 

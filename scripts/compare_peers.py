@@ -358,8 +358,9 @@ def runtimes(a, ggufs: dict[str, Path]) -> dict[str, list[str]]:
         for dt in ("bf16", "f32") if a.with_hf_f32 else ("bf16",):
             rt[f"transformers {dt}"] = [py, me, "--worker", "hf", "--model", str(a.model), "--dtype", dt, *common]
     for k, path in ggufs.items():
-        worker = (["--worker", "llama-bench", "--llama-bench", a.llama_bench] if a.llama_bench else
-                  ["--worker", "llama-server", "--llama-server", a.llama_server] if a.llama_server else ["--worker", "llama"])
+        worker = (["--worker", "llama-bench", "--llama-bench", a.llama_bench] if a.llama_bench
+                  else ["--worker", "llama-server", "--llama-server", a.llama_server] if a.llama_server
+                  else ["--worker", "llama"])
         rt[f"llama.cpp {k}"] = [py, me, *worker, "--model", str(a.model), "--gguf", str(path), *common]
     return {k: v for k, v in rt.items() if not a.only or k == "bandwidth" or k in a.only}
 

@@ -142,7 +142,15 @@ class AudioLayer:
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x * (np.float32(0.5) + np.float32(0.5) * np.tanh(x * np.float32(0.5)))
+    """``x * sigmoid(x)`` as ``x * (0.5 + 0.5 tanh(x / 2))`` (numpy's SIMD tanh), in place on ``x``
+    (a fresh product): the same operations in the same order as the plain expression, so the
+    same bits, without its four temporaries."""
+    t = x * np.float32(0.5)
+    np.tanh(t, out=t)
+    t *= np.float32(0.5)
+    t += np.float32(0.5)
+    x *= t
+    return x
 
 
 def _clamp(x: np.ndarray, bound: float) -> np.ndarray:
@@ -250,7 +258,7 @@ class AudioTower:
         g = min(cfg.gradient_clipping, float(np.finfo(np.float32).max))
         for layer in self.layers:
             x = self._feed_forward(layer.ff1, x, g)
-            h = rms_norm(_clamp(x.copy(), g), layer.norms[0], DEFAULT_EPS)
+            h = rms_norm(np.clip(x, -g, g), layer.norms[0], DEFAULT_EPS)
             a = _clamp(self._attention(layer, h), g)
             x = x + rms_norm(a, layer.norms[1], DEFAULT_EPS)
             x = self._light_conv(layer, x, g)
@@ -265,9 +273,12 @@ class AudioTower:
         return self.embed.matmul(rms_norm(s, None, self.cfg.rms_norm_eps))
 
     def _feed_forward(self, ff: FeedForward, x: np.ndarray, g: float) -> np.ndarray:
-        h = rms_norm(_clamp(x.copy(), g), ff.norms[0], DEFAULT_EPS)
+        h = rms_norm(np.clip(x, -g, g), ff.norms[0], DEFAULT_EPS)
         h = _clamp(ff.down(_silu(ff.up(h))), g)
-        return x + rms_norm(h, ff.norms[1], DEFAULT_EPS) * np.float32(self.cfg.residual_weight)
+        h = rms_norm(h, ff.norms[1], DEFAULT_EPS)
+        h *= np.float32(self.cfg.residual_weight)
+        h += x  # x + the scaled update: the same sum
+        return h
 
     def _attention(self, layer: AudioLayer, h: np.ndarray) -> np.ndarray:
         cfg = self.cfg

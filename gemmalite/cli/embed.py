@@ -7,11 +7,11 @@ import sys
 
 import numpy as np
 
-from .generate import threads_arg, use_threads
+from .generate import backend_args, threads_arg, use_threads
 
 
 def cmd_embed(a: argparse.Namespace) -> int:
-    from ..embeddings import load_embedder
+    from ..loader import load_embedder
 
     if bool(a.input) != bool(a.output):
         raise ValueError("corpus mode needs both --input and --output")
@@ -21,7 +21,8 @@ def cmd_embed(a: argparse.Namespace) -> int:
         raise ValueError("nothing to embed: give TEXT, --image or --audio arguments, or --input corpus.jsonl "
                          "--output vectors.parquet")
     use_threads(a)
-    emb = load_embedder(a.model, quant=a.quant, threads=a.threads)
+    emb = load_embedder(a.model, quant=a.quant, threads=a.threads, backend=a.backend,
+                        **({"providers": a.providers} if a.backend != "gemmalite" else {}))
     kw = dict(prompt_name=a.prompt_name, prompt=a.prompt, dimensions=a.dimensions, batch_size=a.batch_size,
               truncate=a.truncate)
     if a.input:
@@ -58,7 +59,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embed", help="sentence embeddings (EmbeddingGemma 2) of texts or of a JSONL corpus")
-    p.add_argument("model", help="EmbeddingGemma 2 checkpoint folder")
+    p.add_argument("model", help="EmbeddingGemma 2 checkpoint folder (or its gemmalite export, with --backend onnxruntime)")
     p.add_argument("texts", nargs="*", metavar="TEXT")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="embed this image (repeatable; one embedding each, after the TEXTs)")
@@ -73,6 +74,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--batch-size", type=int, default=32)
     threads_arg(p)
+    backend_args(p, "encoder", static=False)
     p.add_argument("--truncate", action="store_true",
                    help="cut texts longer than the model's maximum, and clips to their first 30 s")
     p.add_argument("--json", action="store_true", help="print JSON")

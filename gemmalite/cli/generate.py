@@ -47,11 +47,15 @@ def load_args(p: argparse.ArgumentParser) -> None:
     threads_arg(p)
 
 
-def backend_args(p: argparse.ArgumentParser) -> None:
+def backend_args(p: argparse.ArgumentParser, what: str = "decoder graph", static: bool = True) -> None:
     p.add_argument("--backend", choices=["gemmalite", "onnxruntime"], default="gemmalite",
-                   help="who runs the decoder graph: our CPU kernels, or its ONNX export on ONNX Runtime")
+                   help=f"who runs the {what}: our CPU kernels, or its ONNX export on ONNX Runtime")
     p.add_argument("--provider", dest="providers", action="append", default=None,
                    help="ONNX Runtime execution provider, in order of preference (repeatable; default CPU)")
+    if static:
+        p.add_argument("--static-shapes", dest="static_shapes", action="store_const", const=True, default=None,
+                       help="onnxruntime: run the static decode / prefill graphs an NPU compiles (default for NPU "
+                            "providers) instead of the one with a free row count")
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -69,7 +73,9 @@ def load_model(a: argparse.Namespace):
 
 def _backend_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     backend = getattr(a, "backend", "gemmalite")
-    return {"backend": backend, "providers": getattr(a, "providers", None)} if backend != "gemmalite" else {}
+    if backend == "gemmalite":
+        return {}
+    return {"backend": backend, "providers": getattr(a, "providers", None), "static_shapes": getattr(a, "static_shapes", None)}
 
 
 def stream_out(pieces) -> tuple[str, bool]:

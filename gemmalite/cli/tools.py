@@ -50,7 +50,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     from ..tools.export import export
 
     use_threads(a)
-    out = export(a.model, a.out, a.format, context=a.context, force=a.force)
+    out = export(a.model, a.out, a.format, context=a.context, quant=a.quant, quant_format=a.quant_format,
+                 accuracy_level=a.accuracy_level, chunk=a.chunk, force=a.force)
     print(f"wrote {out}")
     return 0
 
@@ -66,7 +67,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return 0
     r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
               context=a.context, progress=not a.json, threads=a.threads, backend=a.backend,
-              providers=a.providers)
+              providers=a.providers, static_shapes=a.static_shapes)
     print(json.dumps(r) if a.json else format_table(r))
     return 0
 
@@ -115,11 +116,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     threads_arg(p)
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="the decoder graph as static ONNX decode and prefill graphs (weights beside them)")
-    p.add_argument("model", help="checkpoint folder or .gguf file (float weights)")
-    p.add_argument("out", help="folder to write decoder.onnx, prefill.onnx and decoder.onnx.data into")
+    p = sub.add_parser("export", help="the decoder graph as ONNX (static decode / prefill graphs and one with a free "
+                                      "row count, weights beside them) in a folder that loads with --backend onnxruntime")
+    p.add_argument("model", help="checkpoint folder (float, or a gemmalite convert output)")
+    p.add_argument("out", help="folder to write the graphs, their weights and the host side's files into")
     p.add_argument("--format", choices=["onnx"], default="onnx")
     p.add_argument("--context", type=int, default=None, help="positions the full layers' caches hold")
+    p.add_argument("--quant", choices=["int8", "int4"], default=None,
+                   help="weight-only int8 / int4, quantized on load as --quant does (a converted checkpoint exports its own)")
+    p.add_argument("--quant-format", choices=["matmulnbits", "qdq"], default="matmulnbits",
+                   help="int8 / int4 weights as ONNX Runtime's MatMulNBits (CPU / GPU providers) or as "
+                        "DequantizeLinear + MatMul (QDQ, for NPU toolchains)")
+    p.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
+                   help="MatMulNBits' accuracy_level: 4 (default) rounds activations to int8 per block, 0 computes in float32")
+    p.add_argument("--chunk", type=int, default=None, help="rows of the static prefill graph (default 64)")
     p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
     threads_arg(p)
     p.set_defaults(func=cmd_export)

@@ -19,7 +19,7 @@ instead of token embeddings; the encoder, pooling (over every row) and normalisa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -274,13 +274,15 @@ def _check_iterable(x, what: str) -> Iterable:
     return x
 
 
-def load_embedder(path: str | Path, quant: str | None = None, threads: int | None = None) -> Embedder:
+def load_embedder(path: str | Path, quant: str | None = None, threads: int | None = None, *,
+                  encoder: Callable | None = None) -> Embedder:
     """An `Embedder` for an EmbeddingGemma 2 folder (either config layout, or a `gemmalite convert`
-    output); ``quant`` "int8" / "int4" quantizes the projections on load; ``threads`` as for `load`."""
+    output); ``quant`` "int8" / "int4" quantizes the projections on load; ``threads`` as for `load`.
+    ``encoder(cfg, tensors, quant, folder)`` builds what runs the encoder (default `own_encoder`: our
+    kernels; `gemmalite.load_embedder` passes ONNX Runtime's)."""
     from ..formats.folder import load_folder, read_tensors
-    from ..models.gemma.build import QUANT_KINDS, matrix_factory, table
-    from ..models.gemma.contract import check_tensors
-    from ..models.gemma.encoder import EncoderConfig, build_encoder, encoder_shapes
+    from ..models.gemma.build import QUANT_KINDS
+    from ..models.gemma.encoder import EncoderConfig
     from ..tokenizer import load_tokenizer_folder
     from ..audio.prompt import folder_audio
     from ..vision.prompt import folder_vision
@@ -292,9 +294,7 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     if not p.is_dir():
         raise CheckpointError(f"{p}: not a checkpoint folder")
     cfg, tensors, raw = load_folder(p, parse=EncoderConfig.from_hf)
-    shapes = encoder_shapes(cfg)
-    check_tensors(cfg, tensors, str(p), shapes=shapes)
-    graph = build_encoder(cfg, tensors, matrix_factory(quant), table)
+    graph = (encoder or own_encoder)(cfg, tensors, quant, p)
     pipeline = read_pipeline(p)
     if pipeline.truncate_dim is not None and not 1 <= pipeline.truncate_dim <= cfg.embedding_dim:
         raise CheckpointError(f"{p}: truncate_dim {pipeline.truncate_dim} is not within 1..{cfg.embedding_dim}")
@@ -303,6 +303,16 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     vision, audio = folder_vision(p, raw, tensors, quant), folder_audio(raw, tensors, quant)
     return Embedder(graph, tokenizer, pipeline, _max_length(p, cfg, pipeline), str(p), threads=threads, vision=vision,
                     audio=audio)
+
+
+def own_encoder(cfg, tensors: dict, quant: str | None, folder: Path):
+    """The encoder on gemmalite's kernels, from a checkpoint's (checked) tensors."""
+    from ..models.gemma.build import matrix_factory, table
+    from ..models.gemma.contract import check_tensors
+    from ..models.gemma.encoder import build_encoder, encoder_shapes
+
+    check_tensors(cfg, tensors, str(folder), shapes=encoder_shapes(cfg))
+    return build_encoder(cfg, tensors, matrix_factory(quant), table)
 
 
 def _max_length(folder: Path, cfg, pipeline: PipelineConfig) -> int:

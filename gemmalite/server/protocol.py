@@ -356,18 +356,27 @@ def transcription_options(form: dict[str, Any]) -> Transcription:
 
 
 def transcription_messages(clip: bytes, language: str | None = None, prompt: str | None = None) -> list[dict[str, Any]]:
-    """The chat turn a transcription request is answered with: Gemma 4's speech-recognition
-    instruction (its model card's wording), then the clip."""
+    """The chat turn a transcription request is answered with: the clip, then Google's
+    speech-recognition instruction for Gemma 4.
+
+    Wording and order from the Gemma 4 model card (huggingface.co/google/gemma-4-E2B-it):
+    with a language, its "Best Practices / Audio" ASR prompt ("Transcribe the following speech
+    segment in {LANGUAGE} into {LANGUAGE} text." then a blank line and the two formatting rules);
+    without one, the instruction of its "Code for processing Audio" example ("... in its original
+    language." and the same rules, joined by a space, not a blank line); the audio before the text, as
+    that example places it ("Prompt - add audio before text") and as its "Modality order" practice
+    says. The line for OpenAI's ``prompt`` field is this server's own (Google documents no wording
+    for a transcription hint)."""
     name = LANGUAGES.get(language, language) if language else None
-    head = (f"Transcribe the following speech segment in {name} into {name} text." if name else
-            "Transcribe the following speech segment in its original language.")
-    text = (head + "\n\nFollow these specific instructions for formatting the answer:\n"
-            "* Only output the transcription, with no newlines.\n"
-            "* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, "
-            "and write 3 instead of three.")
+    rules = ("Follow these specific instructions for formatting the answer:\n"
+             "* Only output the transcription, with no newlines.\n"
+             "* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, "
+             "and write 3 instead of three.")
+    text = (f"Transcribe the following speech segment in {name} into {name} text.\n\n" + rules if name else
+            "Transcribe the following speech segment in its original language. " + rules)
     if prompt:
         text += f"\n* The speech may continue this text or use its words: {prompt}"
-    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "audio", "audio": clip}]}]
+    return [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": text}]}]
 
 
 def completion_prompt(body: dict, vocab: int) -> str | list[int]:

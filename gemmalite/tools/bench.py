@@ -11,6 +11,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -44,7 +45,7 @@ def run_once(model, prompt_ids, new_tokens: int) -> tuple[float, float]:
 
 def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: int = 3, quant: str | None = None,
           context: int | None = None, progress: bool = True, seed: int = 0, threads: int | None = None,
-          backend: str = "gemmalite", providers: list | None = None) -> dict[str, Any]:
+          backend: str = "gemmalite", providers: list | None = None, static_shapes: bool | None = None) -> dict[str, Any]:
     import numpy as np
     from tqdm import tqdm
 
@@ -53,8 +54,12 @@ def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: in
     from .inspect import weight_formats
 
     t0 = time.perf_counter()
-    model = gemmalite.load(path, context=context or max(prompt_tokens + new_tokens + 1, 256), quant=quant,
-                           threads=threads, backend=backend, providers=providers)
+    from ..backends.onnx import MANIFEST
+
+    exported = (Path(path) / MANIFEST).is_file()  # an ONNX export keeps the context it was written for
+    model = gemmalite.load(path, context=context or (None if exported else max(prompt_tokens + new_tokens + 1, 256)),
+                           quant=quant, threads=threads, backend=backend,
+                           **({} if backend == "gemmalite" else {"providers": providers, "static_shapes": static_shapes}))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size

@@ -22,9 +22,13 @@ EMB_ID = "tiny-eg2"
 MAX_TOKENS = 24  # the server's bound on a reply
 QUESTION = "What is said here?"
 CLIPS = {"a": mo.wav(mo.clip(1.1, 0)), "b": mo.wav(mo.clip(0.6, 1))}
-INSTRUCTION = ("Transcribe the following speech segment in {}.\n\nFollow these specific instructions for "
-               "formatting the answer:\n* Only output the transcription, with no newlines.\n* When transcribing "
-               "numbers, write the digits, i.e. write 1.7 and not one point seven, and write 3 instead of three.")
+# Google's wording (Gemma 4 model card): with a language, the "Best Practices / Audio" ASR prompt; without,
+# the instruction of its "Code for processing Audio" example; the clip before the text in both
+RULES = ("Follow these specific instructions for formatting the answer:\n* Only output the transcription, with no "
+         "newlines.\n* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, and "
+         "write 3 instead of three.")
+INSTRUCTIONS = {None: "Transcribe the following speech segment in its original language. " + RULES,
+                "French": "Transcribe the following speech segment in French into French text.\n\n" + RULES}
 
 
 def _api_messages(clip: str, text: str = QUESTION, fmt: str = "wav") -> list[dict]:
@@ -37,9 +41,9 @@ def _model_messages(clip: str, text: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [{"type": "audio", "audio": CLIPS[clip]}, {"type": "text", "text": text}]}]
 
 
-def _transcribe_messages(clip: str, language: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": INSTRUCTION.format(language)},
-                                         {"type": "audio", "audio": CLIPS[clip]}]}]
+def _transcribe_messages(clip: str, language: str | None) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "audio", "audio": CLIPS[clip]},
+                                         {"type": "text", "text": INSTRUCTIONS[language]}]}]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +66,8 @@ def refs(model):
             "two": chat([{"role": "user", "content": [{"type": "audio", "audio": CLIPS["b"]},
                                                       {"type": "text", "text": "and"},
                                                       {"type": "audio", "audio": CLIPS["a"]}]}]),
-            "transcribe_any": transcribe("a", "its original language"),
-            "transcribe_fr": transcribe("b", "French into French text")}
+            "transcribe_any": transcribe("a", None),
+            "transcribe_fr": transcribe("b", "French")}
 
 
 @pytest.fixture(scope="module")

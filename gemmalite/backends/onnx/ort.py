@@ -1,11 +1,15 @@
-"""The exported decode graph on ONNX Runtime, behind the `Graph` interface the engine calls.
+"""The exported graphs on ONNX Runtime, behind the `Graph` interface the engine calls.
 
 `OrtGraph` has `new_state` / `forward` / `forward_batch` / `forward_many`; its `OrtState` holds
 the caches as numpy arrays (zeroed: masked slots must hold finite numbers, since a masked
-score's weight is an exact 0 times the slot's value). `forward` (a prompt) runs the prefill graph
-a chunk at a time (the last one padded) and a single row through the decode graph; batched and
-prompt-lookup rows (`forward_batch`) each run the one-token graph, so each is exactly the step it
-stands for.
+score's weight is an exact 0 times the slot's value).
+
+Two ways to run an export (`export.py`): the graph with a free row count (``dynamic.onnx``), one
+session for prompts and steps, so ONNX Runtime holds (and prepacks) the weights once: the
+default; or the static pair an NPU compiles (``static=True``, the default for `STATIC_PROVIDERS`):
+prompts through ``prefill.onnx`` a chunk at a time (the last one padded), single rows through
+``decoder.onnx``, two sessions and so two copies of the weights. Batched and prompt-lookup rows
+(`forward_batch`) each run as a one-row call, so each is exactly the step it stands for.
 """
 from __future__ import annotations
 
@@ -15,10 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
+import onnx
+from onnx import numpy_helper
+
 from ...errors import ConfigError, ContextError
-from ...models.gemma.graph import DecoderGraph
+from ...models.gemma.config import ModelConfig
+from ...models.gemma.graph import DecoderGraph, LayerWeights, PLEWeights
 from ...runtime.cache import KVState
-from .export import GRAPH_FILE, PREFILL_FILE, CacheSpec, cache_specs, export_graphs
+from ...weights.matrix import Matrix
+from .export import CacheSpec, cache_specs, export_graphs, read_manifest
 
 
 class OrtState(KVState):
@@ -67,41 +76,93 @@ class OrtState(KVState):
         return sum(k.nbytes + v.nbytes for k, v in self.caches.values())
 
 
+STATIC_PROVIDERS = ("QNNExecutionProvider", "VitisAIExecutionProvider", "NnapiExecutionProvider")
+DYNAMIC_ROWS = 256  # prompt rows per call of the dynamic graph (its attention scores are rows x (cache + rows))
+_NORMS = ("ln_in", "ln_post_attn", "ln_pre_ff", "ln_post_ff", "q_norm", "k_norm", "ple_norm")
+
+
+class ExportedMatrix(Matrix):
+    """What an exported projection is made of (inspect, bench's bytes per token); ONNX Runtime computes it."""
+
+    def __init__(self, shape: list[int], storage: str, nbytes: int, quant_format: str | None):
+        self.shape = (int(shape[0]), int(shape[1]))
+        self._nbytes = int(nbytes)
+        self.qtype = storage if storage == "float32" else f"{storage} ({quant_format})"
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def rows(self, ids):
+        raise NotImplementedError("an exported weight is computed by ONNX Runtime")
+
+    def matmul(self, x):
+        raise NotImplementedError("an exported weight is computed by ONNX Runtime")
+
+
+def session_options(manifest: dict, threads: int | None):
+    """ONNX Runtime's options for an export: threads; for QDQ graphs the accuracy level its fusion of
+    DequantizeLinear + MatMul into MatMulNBits uses (the one the export records)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    if manifest.get("quant_format") == "qdq":
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(manifest["accuracy_level"]))
+    return opts
+
+
+def open_session(path: Path, opts, providers: list | None):
+    """An ``InferenceSession`` on ``providers`` (default CPU); `ConfigError` naming those ONNX Runtime lacks here."""
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    providers = list(providers) if providers else ["CPUExecutionProvider"]
+    missing = [p for p in provider_names(providers) if p not in avail]
+    if missing:
+        raise ConfigError(f"ONNX Runtime providers {missing} are not available here (available: {avail})")
+    return ort.InferenceSession(str(path), opts, providers=providers)
+
+
+def provider_names(providers: list | None) -> list[str]:
+    """Provider names of a ``providers`` list (names, or (name, options) pairs)."""
+    return [p[0] if isinstance(p, tuple) else p for p in (providers or ["CPUExecutionProvider"])]
+
+
 class OrtGraph:
-    """The graphs exported for one context length (a folder), each run by an ``onnxruntime.InferenceSession``."""
+    """An export folder's graphs (`export.read_manifest`), each run by an ``onnxruntime.InferenceSession``."""
 
-    def __init__(self, folder: str | Path, graph: DecoderGraph, context: int, providers: list | None = None,
-                 threads: int | None = None):
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        avail = ort.get_available_providers()
-        providers = list(providers) if providers else ["CPUExecutionProvider"]
-        missing = [p for p in providers if (p[0] if isinstance(p, tuple) else p) not in avail]
-        if missing:
-            raise ConfigError(f"ONNX Runtime providers {missing} are not available here (available: {avail})")
-        self.cfg = graph.cfg
-        # the source's weights, for what describes a model (inspect, bench's bytes per token); half
-        # precision ones are memory-mapped, float32 ones are held twice (here and in the session)
-        self.layers, self.ple, self.final_norm = graph.layers, graph.ple, graph.final_norm
-        self.context = context
-        self.specs = cache_specs(graph.cfg, context)
-        self.has_ple = graph.ple is not None
+    def __init__(self, folder: str | Path, cfg: ModelConfig, providers: list | None = None,
+                 threads: int | None = None, static: bool | None = None):
         self.path = Path(folder)
-        self.session = ort.InferenceSession(str(self.path / GRAPH_FILE), opts, providers=providers)
-        self.prefill = ort.InferenceSession(str(self.path / PREFILL_FILE), opts, providers=providers)
-        self.chunk = int(self.prefill.get_inputs()[0].shape[0])
+        self.manifest = m = read_manifest(self.path)
+        if m.get("family") != cfg.family:
+            raise ConfigError(f"{self.path}: exported from a {m.get('family')} model, not {cfg.family}")
+        self.cfg = cfg
+        self.context = m["context"]
+        self.specs = cache_specs(cfg, self.context)
+        self.has_ple = bool(cfg.ple_dim)
+        self.static = any(n in STATIC_PROVIDERS for n in provider_names(providers)) if static is None else bool(static)
+        opts = session_options(m, threads)
+        graphs = m["graphs"]
+        if self.static:
+            self.session = open_session(self.path / graphs["decode"], opts, providers)
+            self.prefill = open_session(self.path / graphs["prefill"], opts, providers)
+            self.chunk = int(self.prefill.get_inputs()[0].shape[0])
+        else:
+            self.session = self.prefill = open_session(self.path / graphs["dynamic"], opts, providers)
+            self.chunk = DYNAMIC_ROWS
+        self.layers, self.ple, self.final_norm = _describe(self.path / graphs["dynamic"], cfg, m)
 
     @classmethod
-    def export(cls, graph: DecoderGraph, context: int, providers: list | None = None,
-               threads: int | None = None, chunk: int | None = None) -> "OrtGraph":
+    def export(cls, graph: DecoderGraph, context: int, providers: list | None = None, threads: int | None = None,
+               chunk: int | None = None, static: bool | None = None) -> "OrtGraph":
         """Export ``graph`` into a temporary folder (removed with the returned object) and open it."""
         tmp = tempfile.TemporaryDirectory(prefix="gemmalite-onnx-")
         try:
             export_graphs(graph, tmp.name, context, *(() if chunk is None else (chunk,)))
-            out = cls(tmp.name, graph, context, providers, threads)
+            out = cls(tmp.name, graph.cfg, providers, threads, static)
         except BaseException:
             tmp.cleanup()
             raise
@@ -114,12 +175,14 @@ class OrtGraph:
         return OrtState(self.specs, context)
 
     def _call(self, state: OrtState, x: np.ndarray, ple: np.ndarray | None) -> np.ndarray:
-        """Rows at ``state.length`` through the decode graph (one) or the prefill graph (up to a
-        chunk, padded): their final-normed hidden states ``[n, H]``; caches replaced."""
+        """Rows at ``state.length`` through one graph call (static: the decode graph for one row, the
+        prefill graph padded for more): their final-normed hidden states ``[n, H]``; caches replaced."""
         n = x.shape[0]
-        sess, T = (self.session, 1) if n == 1 else (self.prefill, self.chunk)
+        static_prefill = self.static and n > 1
+        sess = self.prefill if n > 1 else self.session
+        T = self.chunk if static_prefill else n
         feeds = {"x0": _pad(x, T), "position": np.array([state.length], np.int64)}
-        if T > 1:
+        if static_prefill:
             feeds["count"] = np.array([n], np.int64)
         if self.has_ple:
             feeds["ple_rows"] = _pad(ple, T)
@@ -172,3 +235,29 @@ def _pad(a: np.ndarray, rows: int) -> np.ndarray:
     out = np.zeros((rows, a.shape[1]), np.float32)
     out[:a.shape[0]] = a
     return out
+
+
+def _describe(path: Path, cfg: ModelConfig, manifest: dict) -> tuple[list[LayerWeights], PLEWeights | None, np.ndarray]:
+    """The layers as the export holds them (`ExportedMatrix` projections, the norms read from the
+    graph), for what describes a model: inspect, bench's bytes per token."""
+    proto = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in proto.graph.initializer}
+
+    def arr(name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(inits[name], str(path.parent)) if name in inits else None
+
+    weights = manifest["weights"]
+    fmt = manifest.get("quant_format")
+
+    def mat(name: str) -> ExportedMatrix | None:
+        w = weights.get(name)
+        return None if w is None else ExportedMatrix(w["shape"], w["storage"], w["nbytes"], fmt)
+
+    layers = []
+    for s in cfg.layers:
+        p = f"layers.{s.index}."
+        mats = {a: mat(p + a) for a in ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")}
+        norms = {n: arr(p + n) for n in _NORMS}
+        layers.append(LayerWeights(**{n: v for n, v in norms.items() if v is not None}, **mats))
+    ple = PLEWeights(mat("ple.projection"), arr("ple.norm")) if "ple.projection" in weights else None
+    return layers, ple, arr("final_norm")

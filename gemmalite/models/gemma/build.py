@@ -78,17 +78,24 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) 
             w.layer_scalar = np.float32(vec(p + "layer_scalar").reshape(-1)[0])
         layers.append(w)
 
-    ple = ple_table = None
+    ple = None
     if cfg.ple_dim:
         ple = PLEWeights(projection=mat(tensors["per_layer_model_projection.weight"]),
                          norm=norm("per_layer_projection_norm.weight"))
-        ple_table = table(tensors["embed_tokens_per_layer.weight"])
     graph = DecoderGraph(cfg, layers, norm("norm.weight"), ple)
+    return GemmaWeights(graph, *host_tables(cfg, tensors, quant))
 
+
+def host_tables(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) -> tuple[Matrix, Matrix, Matrix | None]:
+    """The host side's tables: token embedding, LM head (the embedding when tied and not
+    quantized; an untied head, or the quantized copy a converted checkpoint stores) and the PLE
+    token table."""
+    mat = matrix_factory(quant)
     embed = table(tensors["embed_tokens.weight"])
-    head = tensors.get("lm_head.weight")  # untied, or the quantized copy of a converted checkpoint
+    head = tensors.get("lm_head.weight")
     if head is None:
         lm_head = embed if quant is None else mat(tensors["embed_tokens.weight"])
     else:
         lm_head = table(head) if quant is None else mat(head)
-    return GemmaWeights(graph, embed, lm_head, ple_table)
+    ple_table = table(tensors["embed_tokens_per_layer.weight"]) if cfg.ple_dim else None
+    return embed, lm_head, ple_table

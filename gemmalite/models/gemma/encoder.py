@@ -171,6 +171,12 @@ class EncoderGraph:
                soft: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Final-normed hidden states ``[N, H]`` of packed sequences (``bounds``: their starts + total);
         ``soft``: (packed rows, vectors) replacing those rows' input embeddings."""
+        x0, pos = self.inputs(ids, bounds, soft)
+        return self.run(x0, pos, bounds)
+
+    def inputs(self, ids: np.ndarray, bounds: np.ndarray,
+               soft: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The host's part: scaled input embeddings ``[N, H]`` (``soft`` rows replaced) and each row's position."""
         cfg = self.cfg
         pos = np.concatenate([np.arange(b - a, dtype=np.int64) for a, b in zip(bounds[:-1], bounds[1:])])
         if soft is not None:  # the placeholder ids may lie outside the vocabulary: look up padding instead
@@ -179,6 +185,11 @@ class EncoderGraph:
         h = self.embed.rows(ids) * cfg.embed_scale
         if soft is not None:
             h[soft[0]] = soft[1]
+        return h, pos
+
+    def run(self, h: np.ndarray, pos: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """The layers and the final norm on packed input embeddings (what another backend takes over)."""
+        cfg = self.cfg
         ple = self._ple(h)  # from the merged input embeddings, as the reference computes it
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         segments = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
