@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The whole benchmark table against the peers from one command: runs the side-by-side scripts
-(compare_peers.py, bench_gemma3_gguf.py, bench_server.py, bench_prompt_lookup.py,
+(compare_peers.py, bench_gemma3_gguf.py, bench_server.py, bench_prompt_lookup.py, bench_mtp.py, bench_onnx.py,
 bench_eg2_peers.py, bench_eg2_images.py, bench_audio.py) row by row, keeps each row's figures with its date, CPU,
 machine load and exact command, and writes the markdown table and SVG plots. Run by hand, never in CI.
 
     python scripts/bench_all.py --quick                  # the real Gemma 3 270M rows only, minutes
-    python scripts/bench_all.py                          # every row (E2B / EG2 shapes: hours)
+    python scripts/bench_all.py                          # every row, 3 rounds (~2 h on 2 quiet cores)
+    (scripts/README.md: "The full run", a plan that fits about an hour, most wanted rows first)
+    python scripts/bench_all.py --smoke                  # every row once, smallest settings: does it run?
     python scripts/bench_all.py --only e2b-int8,g3-long  # rerun some rows, keep the others' figures
     python scripts/bench_all.py --page BENCHMARKS.md     # also replace the page's table block
     python scripts/bench_all.py --no-run --page BENCHMARKS.md  # the page from the stored results
@@ -16,8 +18,12 @@ of the per-round ratio, with the ratio's min-max. A peer that is not there (no l
 llama-server binary, no egemma2, no checkpoint) is a "not run: why" cell, never a missing row.
 Results accumulate in OUT/results.json (OUT: docs/benchmarks, or a temporary folder with
 ``--quick``), so ``--only`` reruns a row and the table keeps the rest with their own dates.
-Checkpoints: ``gemmalite synth --preset e2b`` / ``--preset eg2`` and their ``gemmalite convert
---quant int8`` / ``int4`` outputs (``--e2b`` etc.; /work/synth/* by default when present).
+Inputs (the E2B / EG2 rows; random weights of the real shapes): ``python scripts/bench_inputs.py`` makes
+them all once in one folder (``$GEMMALITE_SYNTH``, default /work/synth): ``e2b`` (``gemmalite synth --preset
+e2b``), ``e2b-int8`` / ``e2b-int4`` (``gemmalite convert``), ``e2b-gguf/e2b-Q8_0.gguf`` / ``-Q4_0.gguf`` (llama.cpp's
+convert_hf_to_gguf.py + llama-quantize), ``e2b-assistant`` (the MTP drafter), ``eg2`` and ``eg2-int8``; each
+can be pointed elsewhere (``--e2b`` etc.). llama.cpp's binaries: ``--llama-bin DIR`` (or
+``$GEMMALITE_LLAMA_BIN``) holding llama-bench and llama-server. ``--only`` runs the rows in the order given.
 """
 from __future__ import annotations
 
@@ -73,6 +79,22 @@ class Row:
 
 # ---------------------------------------------------------------- peers and checkpoints
 
+# the E2B / EmbeddingGemma 2 rows' inputs: scripts/bench_inputs.py makes them in $GEMMALITE_SYNTH
+INPUTS = {"e2b": "`gemmalite synth --preset e2b` folder (random weights, vision + audio towers)",
+          "e2b-int8": "its `gemmalite convert --quant int8` output", "e2b-int4": "its `--quant int4` output",
+          "e2b-gguf": "folder of e2b-Q8_0.gguf / e2b-Q4_0.gguf (llama.cpp's converter + llama-quantize)",
+          "e2b-assistant": "`gemmalite synth --preset e2b-assistant` folder (the MTP drafter)",
+          "eg2": "`gemmalite synth --preset eg2` folder (image + audio towers)",
+          "eg2-int8": "its `gemmalite convert --quant int8` output"}
+
+
+def find_binary(name: str, folder) -> str | None:
+    """``folder/name`` when it is there, else ``name`` on PATH."""
+    if folder and (Path(folder) / name).exists():
+        return str(Path(folder) / name)
+    return shutil.which(name)
+
+
 def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
@@ -105,7 +127,9 @@ def peer_llama(a) -> str:
     return llama_cpp_problem()
 
 
-def peer_server(a) -> str:
+def peer_server(a, gguf: Path | None = None) -> str:
+    if gguf is not None and not Path(gguf).exists():
+        return f"not run: no GGUF {gguf} (python scripts/bench_inputs.py)"
     if a.llama_server and Path(a.llama_server).exists():
         return ""
     return ("not run: no llama-server binary (--llama-server BIN; build it from the llama-cpp-python sdist's "
@@ -124,19 +148,49 @@ def need_dirs(*names: str) -> Callable[[argparse.Namespace], str | None]:
     return check
 
 
+def e2b_gguf(a, kind: str) -> Path:
+    """compare_peers.py's name for the E2B GGUFs: GGUF_DIR/MODEL-NAME-KIND.gguf."""
+    return Path(a.e2b_gguf or Path(a.e2b) / "gguf") / f"{Path(a.e2b).name}-{kind}.gguf"
+
+
 def q8_gguf(a) -> Path:
-    return Path(a.e2b) / "gguf" / f"{Path(a.e2b).name}-Q8_0.gguf"
+    return e2b_gguf(a, "Q8_0")
+
+
+def e2b_llama(a, kinds: list[str]) -> tuple[list[str], str, str]:
+    """compare_peers.py's llama.cpp flags for the E2B rows, the peer's label and why it cannot run ('' when it
+    can): llama-bench when given (llama.cpp's own benchmark), else llama-cpp-python, else llama-server."""
+    gone = [str(e2b_gguf(a, k)) for k in kinds if not e2b_gguf(a, k).exists()]
+    if gone:
+        return ["--skip-llama"], "", f"not run: no GGUF {', '.join(gone)} (python scripts/bench_inputs.py)"
+    flags = ["--gguf-dir", str(e2b_gguf(a, kinds[0]).parent)]
+    if a.llama_bench:
+        return [*flags, "--llama-bench", a.llama_bench], "llama-bench", ""
+    if has_llama_cpp():
+        return flags, "llama-cpp-python 0.3.36", ""
+    if a.llama_server:
+        return [*flags, "--llama-server", a.llama_server], "llama-server", ""
+    return ["--skip-llama"], "", "not run: no llama-bench / llama-server binary (--llama-bin DIR) and " + (
+        llama_cpp_problem().removeprefix("not run: "))
 
 
 # ---------------------------------------------------------------- the rows
+
+def size(a, full, quick=None, smoke=None):
+    """A setting of a row: its ``--smoke`` value (the smallest that runs every path), its ``--quick`` one, or
+    the full run's."""
+    if a.smoke and smoke is not None:
+        return smoke
+    return quick if a.quick and quick is not None else full
+
 
 def py(script: str, *args) -> list[str]:
     return [sys.executable, str(HERE / script), *map(str, args)]
 
 
 def g3_commands(a):
-    lengths = [128, 512, 1024] if a.quick else [128, 512, 1024, 2048, 4096]
-    new, runs = (32, 2) if a.quick else (64, 3)
+    lengths = size(a, [128, 512, 1024, 2048, 4096], [128, 512, 1024], [64])
+    new, runs = size(a, (64, 3), (32, 2), (8, 1))
     engines = "gemmalite,llamacpp" if has_llama_cpp() else "gemmalite"
     out = []
     for n in lengths:
@@ -183,25 +237,27 @@ def bundled_gguf(a) -> Path:
 
 def server_commands(model: Callable, gguf: Callable, levels: str, tokens: int):
     def make(a):
-        peer = [] if peer_server(a) else ["--llama-server", a.llama_server, "--gguf", gguf(a)]
+        peer = [] if peer_server(a, gguf(a)) else ["--llama-server", a.llama_server, "--gguf", gguf(a)]
         return [(None, py("bench_server.py", "--gemmalite", model(a), *peer,
-                          "--levels", levels if a.quick else "1,2,4,8", "--max-tokens", tokens,
+                          "--levels", size(a, "1,2,4,8", levels, "1,2"), "--max-tokens", size(a, tokens, smoke=8),
                           "--threads", a.threads, "--json"))]
     return make
 
 
-def server_figs(_x, out, a):
-    s = out["servers"]
-    g, l = s["gemmalite"]["rows"], s.get("llama-server", {}).get("rows", [])
-    note = peer_server(a)
-    figs = []
-    for i, row in enumerate(g):
-        p = l[i] if i < len(l) else {}
-        n = row["streams"]
-        figs.append(Fig(f"{n} stream{'s' if n > 1 else ''}, aggregate decode", "tok/s", row["tokens_per_s"],
-                        "llama-server", p.get("tokens_per_s"), note, x=n, series="tok/s"))
-        figs.append(Fig(f"{n} stream{'s' if n > 1 else ''}, p99 first token (lower is better)", "s",
-                        row["ttft_p99_s"], "llama-server", p.get("ttft_p99_s"), note))
+def server_figs(gguf: Callable):
+    def figs(_x, out, a):
+        s = out["servers"]
+        g, l = s["gemmalite"]["rows"], s.get("llama-server", {}).get("rows", [])
+        note = peer_server(a, gguf(a))
+        res = []
+        for i, row in enumerate(g):
+            p = l[i] if i < len(l) else {}
+            n = row["streams"]
+            res.append(Fig(f"{n} stream{'s' if n > 1 else ''}, aggregate decode", "tok/s", row["tokens_per_s"],
+                           "llama-server", p.get("tokens_per_s"), note, x=n, series="tok/s"))
+            res.append(Fig(f"{n} stream{'s' if n > 1 else ''}, p99 first token (lower is better)", "s",
+                           row["ttft_p99_s"], "llama-server", p.get("ttft_p99_s"), note))
+        return res
     return figs
 
 
@@ -215,41 +271,116 @@ def lookup_figs(_x, out, a):
     return figs
 
 
-def peers_commands(quants: str, prompt: int, new: int, runs: int, hf: bool = False):
+GGUF_KIND = {"int8": "Q8_0", "int4": "Q4_0"}
+
+
+def peers_commands(quants: str, prompt: int | list[int], new: int, runs: int, hf: bool = False,
+                   llama: bool = True):
+    """compare_peers.py on the E2B checkpoint: gemmalite in ``quants`` (converted folders) against
+    transformers bf16 (``hf``), llama.cpp on the matching GGUFs (``llama``), or only each other."""
     def make(a):
         conv = [f"--converted-{q}" for q in ("int8", "int4") if q in quants]
         args = ["--model", a.e2b, *sum(([c, getattr(a, "e2b_" + c[12:])] for c in conv), [])]
         only = [f"gemmalite {q}" for q in quants.split(",")]
+        peer = ["--skip-llama"]
         if hf:
             only.append("transformers bf16")
-        else:
-            only += [{"int8": "llama.cpp Q8_0", "int4": "llama.cpp Q4_0"}[q] for q in quants.split(",")]
-        skip = [] if hf or has_llama_cpp() else ["--skip-llama"]
+        elif llama:
+            kinds = [GGUF_KIND[q] for q in quants.split(",")]
+            only += [f"llama.cpp {k}" for k in kinds]
+            peer = e2b_llama(a, kinds)[0]
+        prompts = size(a, [prompt] if isinstance(prompt, int) else prompt, smoke=[32] if isinstance(prompt, int)
+                       else [32, 64])
         return [(p, py("compare_peers.py", *args, "--only", ",".join(only), "--prompt-tokens", p,
-                       "--new-tokens", new, "--runs", runs, "--threads", a.threads, *skip, "--out", "{out}"))
-                for p in ([prompt] if isinstance(prompt, int) else prompt)]
+                       "--new-tokens", size(a, new, smoke=4), "--runs", size(a, runs, smoke=1),
+                       "--threads", a.threads, *peer, "--out", "{out}")) for p in prompts]
     return make
 
 
 def peers_figs(quant: str, peer: str, curve: bool = False):
+    """One compare_peers.py run's lines: decode, prefill (and peak RSS); for int8 / int4 against llama.cpp
+    also the machine's read bandwidth measured in the same run and each decode's weight reads per second
+    as a share of it (decode tok/s x weight bytes per token / bandwidth)."""
     def figs(p, out, a):
         m = out["medians"]
         g, q = m[f"gemmalite {quant}"], m.get(peer, {})
-        note = "" if peer.startswith("transformers") else peer_llama(a)
+        name, note = peer, ""
+        if peer.startswith("llama.cpp"):
+            _, how, note = e2b_llama(a, [peer.split()[-1]])
+            name = f"{peer} ({how})" if how else peer
         if "error" in q:
             note, q = f"failed: {q['error'][:120]}", {}
         label = {"f32": "bf16 in place", "int8": "int8", "int4": "int4"}[quant]
         new = int(out["args"]["new_tokens"])
         if "error" in g:
             raise RuntimeError(f"gemmalite {quant}: {g['error']}")
-        res = [Fig(f"decode, {label}, {new} tokens after {p:,}", "tok/s", g["decode_tok_s"], peer, q.get("decode_tok_s"),
-                   note, x=p, series="decode")]
-        res.append(Fig(f"prefill, {label}, {p:,} tokens", "tok/s", g["prefill_tok_s"], peer, q.get("prefill_tok_s"), note))
+        res = [Fig(f"decode, {label}, {new} tokens after {p:,}", "tok/s", g["decode_tok_s"], name,
+                   q.get("decode_tok_s"), note, x=p, series="decode")]
+        res.append(Fig(f"prefill, {label}, {p:,} tokens", "tok/s", g["prefill_tok_s"], name, q.get("prefill_tok_s"),
+                       note))
         if not curve:
             res.append(Fig(f"peak RSS, {label}, {p:,}-token prompt (lower is better)", "GiB",
-                           g["peak_rss_bytes"] / 2**30, peer, q["peak_rss_bytes"] / 2**30 if q else None, note))
+                           g["peak_rss_bytes"] / 2**30, name, q["peak_rss_bytes"] / 2**30 if q else None, note))
+        bw = m.get("bandwidth", {}).get("numba_parallel_gb_s")
+        if bw and not curve and peer.startswith("llama.cpp"):
+            share = lambda r: 100 * r["decode_tok_s"] * r["weight_bytes_per_token"] / 1e9 / bw  # noqa: E731
+            res += [Fig(f"read bandwidth of this machine, same run (scripts/bandwidth_probe.py, {a.threads} threads)",
+                        "GB/s", bw, "", None),
+                    Fig(f"weights read per decoded token, {label} (lower is better)", "GB",
+                        g["weight_bytes_per_token"] / 1e9, name,
+                        q["weight_bytes_per_token"] / 1e9 if q.get("weight_bytes_per_token") else None, note),
+                    Fig(f"decode, {label}: weight reads per second as a share of that bandwidth", "%", share(g), name,
+                        share(q) if q.get("weight_bytes_per_token") else None, note)]
         return res
     return figs
+
+
+def int4_prefill_figs(p, out, a):
+    """int4 against int8 prefill (and decode) in one compare_peers.py run: the int4 integer tiles' pace."""
+    m = out["medians"]
+    g, q = m["gemmalite int4"], m["gemmalite int8"]
+    for r in (g, q):
+        if "error" in r:
+            raise RuntimeError(r["error"])
+    new = int(out["args"]["new_tokens"])
+    return [Fig(f"prefill, int4 against int8, {p:,} tokens", "tok/s", g["prefill_tok_s"], "gemmalite int8",
+                q["prefill_tok_s"], x=p, series="prefill"),
+            Fig(f"decode, int4 against int8, {new} tokens after {p:,}", "tok/s", g["decode_tok_s"], "gemmalite int8",
+                q["decode_tok_s"])]
+
+
+# the acceptance peers publish for the Gemma 4 assistants (Google cites ~80 %, third parties 70-87 %; no
+# E2B-specific figure found: BENCHMARKS history, MTP section)
+PUBLISHED_ACCEPTANCE = ("0.7", "0.8")
+
+
+def mtp_commands(a):
+    prompt, new, reps = size(a, (128, 48, 7), smoke=(32, 8, 1))
+    return [(None, py("bench_mtp.py", a.e2b_int8, a.e2b_assistant, "--prompt-tokens", prompt, "--new-tokens", new,
+                      "--rounds", a.rounds, "--reps", reps, "--threads", a.threads,
+                      *size(a, [], smoke=["--rates", "0,0.8"])))]
+
+
+def mtp_figs(_x, out, a):
+    """bench_mtp.py's three JSON lines: step costs, replayed end-to-end runs, projection."""
+    micro, e2e, proj = (out if isinstance(out, list) else [out])[:3]
+    step = micro["one_row_step_ms"]
+    plain = "one-row target step"
+    res = [Fig("drafter (4 Q-only layers + centroid head), time per drafted token", "ms",
+               micro["drafter_ms_per_token"], plain, step)]
+    for r, cost in sorted(micro["verify_cost_vs_one_row"].items()):
+        if int(r) > 1:
+            res.append(Fig(f"verify step of {r} rows (the token + {int(r) - 1} draft{'s' if int(r) > 2 else ''})",
+                           "ms", cost * step, plain, step))
+    for acc, r in e2e["speculative"].items():
+        kept = ", ".join(f"{k}/{d}" for d, k in r["drafted_kept"])
+        res.append(Fig(f"end to end, replayed acceptance {acc} (kept/drafted per round: {kept}; same tokens: "
+                       f"{e2e['identical_tokens']})", "tok/s", r["tok_s"], "plain decoding", e2e["plain_tok_s"]))
+    for alpha in PUBLISHED_ACCEPTANCE:
+        pr = proj["projected_speedup_by_acceptance"][alpha]
+        res.append(Fig(f"projected speed-up at acceptance {alpha} (published range; {pr['drafts']} drafts a step), "
+                       "from the measured costs", "x", pr["speedup"], "", None))
+    return res
 
 
 def _peer_note(peer: str, q: dict) -> str:
@@ -267,7 +398,8 @@ def eg2_text_figs(_x, out, a):
         note = _peer_note(peer, q)
         q = {} if note else q
         res += [Fig("one 18-token query (lower is better)", "ms", ours["query_ms"], name, q.get("query_ms"), note),
-                Fig("32 documents of 512 tokens", "texts/s", ours["docs_texts_s"], name, q.get("docs_texts_s"), note),
+                Fig(f"{a.docs} documents of 512 tokens", "texts/s", ours["docs_texts_s"], name,
+                    q.get("docs_texts_s"), note),
                 Fig("peak RSS, text (lower is better)", "GiB", ours["peak_rss_bytes"] / 2**30, name,
                     q["peak_rss_bytes"] / 2**30 if q.get("peak_rss_bytes") else None, note)]
     return res
@@ -343,43 +475,56 @@ ROWS = [
         "prompt lengths", True, g3_commands, g3_figs,
         plot=("decode", "prompt tokens", "decode tok/s")),
     Row("g3-server", "the server, Gemma 3 270M: `gemmalite serve` against `llama-server` (same GGUF)", True,
-        server_commands(lambda a: "gemma3-270m", bundled_gguf, "1,2,4", 32), server_figs,
+        server_commands(lambda a: "gemma3-270m", bundled_gguf, "1,2,4", 32), server_figs(bundled_gguf),
         plot=("tok/s", "concurrent streams", "aggregate decode tok/s")),
     Row("g3-lookup", "prompt lookup against plain decoding, Gemma 3 270M, greedy chat (identical text)", True,
-        lambda a: [(None, py("bench_prompt_lookup.py", "--new-tokens", 64 if a.quick else 200,
+        lambda a: [(None, py("bench_prompt_lookup.py", "--new-tokens", size(a, 200, 64, 16),
                              "--rounds", a.rounds))], lookup_figs, rounds=1),
     Row("e2b-int8", "Gemma 4 E2B shape, int8 against llama.cpp Q8_0", False,
         peers_commands("int8", 128, 32, 2), peers_figs("int8", "llama.cpp Q8_0"), need_dirs("e2b", "e2b_int8")),
     Row("e2b-int4", "Gemma 4 E2B shape, int4 against llama.cpp Q4_0", False,
         peers_commands("int4", 128, 32, 2), peers_figs("int4", "llama.cpp Q4_0"), need_dirs("e2b", "e2b_int4")),
+    Row("e2b-int4-prefill", "Gemma 4 E2B shape, int4 prompts against int8 (integer tiles both)", False,
+        peers_commands("int4,int8", [128, 512], 8, 2, llama=False), int4_prefill_figs,
+        need_dirs("e2b", "e2b_int8", "e2b_int4")),
+    Row("e2b-mtp", "MTP speculative decoding, E2B int8 target + `e2b-assistant` drafter (random weights cannot show "
+        "real acceptance: drafts replayed right with probability α, the real drafter's step charged)", False,
+        mtp_commands, mtp_figs, need_dirs("e2b_int8", "e2b_assistant"), rounds=1),
     Row("e2b-bf16", "Gemma 4 E2B shape, bf16 weights in place against transformers bf16", False,
         peers_commands("f32", 128, 16, 2, hf=True), peers_figs("f32", "transformers bf16"), need_dirs("e2b")),
     Row("e2b-long", "Gemma 4 E2B shape, int8 against llama.cpp Q8_0, long prompts", False,
         peers_commands("int8", [512, 2048], 16, 1), peers_figs("int8", "llama.cpp Q8_0", curve=True),
         need_dirs("e2b", "e2b_int8"), plot=("decode", "prompt tokens", "decode tok/s")),
     Row("e2b-server", "the server, E2B int8 against `llama-server` (Q8_0), 32 tokens a stream", False,
-        server_commands(lambda a: a.e2b_int8, q8_gguf, "1,2,4,8", 32), server_figs, need_dirs("e2b", "e2b_int8"),
+        server_commands(lambda a: a.e2b_int8, q8_gguf, "1,2,4,8", 32), server_figs(q8_gguf),
+        need_dirs("e2b", "e2b_int8"),
         plot=("tok/s", "concurrent streams", "aggregate decode tok/s")),
     Row("e2b-onnx", "Gemma 4 E2B shape, gemmalite's kernels against its ONNX export on ONNX Runtime (CPU provider), "
         "float / int8 / int4", False,
         lambda a: [(None, py("bench_onnx.py", "--model", a.e2b, "--converted-int8", a.e2b_int8, "--converted-int4",
-                             a.e2b_int4, "--prompt-tokens", 128, "--new-tokens", 16, "--runs", 2, "--rounds", a.rounds,
+                             a.e2b_int4, "--prompt-tokens", size(a, 128, smoke=32),
+                             "--new-tokens", size(a, 16, smoke=4), "--runs", size(a, 2, smoke=1), "--rounds", a.rounds,
+                             *size(a, [], smoke=["--only", "int4"]),
                              "--threads", a.threads, "--json", "{out}"))],
         onnx_figs, lambda a: need_dirs("e2b", "e2b_int8", "e2b_int4")(a) or (
             None if has_module("onnxruntime") else "not run: onnxruntime is not installed (pip install 'gemmalite[onnx]')"),
         rounds=1),
     Row("eg2-text", "EmbeddingGemma 2 (whole 744 M model, random weights), int8 text embeddings", False,
         lambda a: [(None, py("bench_eg2_peers.py", a.eg2, "--converted-int8", a.eg2_int8, "--rounds", 1,
+                             "--docs", a.docs, "--engines", "gemmalite/int8,transformers/none,egemma2/none",
                              "--threads", a.threads, "--json"))], eg2_text_figs, need_dirs("eg2", "eg2_int8")),
     Row("eg2-images", "EmbeddingGemma 2, int8 image embeddings", False,
         lambda a: [(None, py("bench_eg2_images.py", a.eg2, "--images", a.images, "--rounds", 1,
+                             "--engines", "gemmalite/int8,transformers/none,egemma2/none",
                              "--threads", a.threads, "--json"))], eg2_image_figs, need_dirs("eg2")),
     Row("eg2-audio", "EmbeddingGemma 2, int8 audio embeddings (10 s clips)", False,
-        lambda a: [(None, py("bench_audio.py", "embed", a.eg2, "--converted-int8", a.eg2_int8, "--clips", 8,
+        lambda a: [(None, py("bench_audio.py", "embed", a.eg2, "--converted-int8", a.eg2_int8,
+                             "--clips", size(a, 8, smoke=1),
                              "--rounds", 1, "--threads", a.threads, "--json"))], eg2_audio_figs,
         need_dirs("eg2", "eg2_int8")),
     Row("e2b-audio", "Gemma 4 E2B shape, int8, time to the first token of a chat turn with a 10 s clip", False,
-        lambda a: [(None, py("bench_audio.py", "ttft", a.e2b, "--converted-int8", a.e2b_int8, "--turns", 3,
+        lambda a: [(None, py("bench_audio.py", "ttft", a.e2b, "--converted-int8", a.e2b_int8,
+                             "--turns", size(a, 3, smoke=1),
                              "--rounds", 1, "--threads", a.threads, "--engines", "gemmalite/int8,transformers/bf16",
                              "--json"))], audio_ttft_figs, need_dirs("e2b", "e2b_int8")),
 ]
@@ -428,7 +573,9 @@ def run_command(cmd: list[str], a, tmp: Path) -> object:
 
 def shown(cmd: list[str], a) -> str:
     """The command as a reader types it (relative script path, placeholders for the JSON file)."""
-    subs = {sys.executable: "python", str(ROOT) + "/": "", str(Path(a.e2b).parent) + "/": ""}
+    subs = {sys.executable: "python", str(ROOT) + "/": ""}
+    subs |= {str(Path(p).parent) + "/": "" for p in (a.e2b, a.eg2) if p}  # the inputs by their folder names
+    subs |= {str(Path(b).parent) + "/": "LLAMA_BIN/" for b in (a.llama_bench, a.llama_server) if b}
     text = shlex.join(["OUT.json" if c == "{out}" else c for c in cmd])
     for k, v in subs.items():
         text = text.replace(k, v)
@@ -443,7 +590,10 @@ def run_row(row: Row, a) -> dict:
     why = row.missing(a)
     cmds = [] if why else row.commands(a)
     rec["commands"] = [shown(c, a) for _, c in cmds]
-    rec["bench_all"] = f"python scripts/bench_all.py{' --quick' if a.quick else ''} --only {row.id}"
+    flags = [f for f, on in ((" --quick", a.quick), (" --smoke", a.smoke), (f" --rounds {a.rounds}", True),
+                             (f" --images {a.images}", row.id == "eg2-images"),
+                             (f" --docs {a.docs}", row.id == "eg2-text")) if on]
+    rec["bench_all"] = f"python scripts/bench_all.py{''.join(flags)} --only {row.id}"
     if why:
         return {**rec, "status": why}
     rounds = row.rounds or a.rounds
@@ -598,15 +748,19 @@ def plots(results: dict, out: Path, suffix: str) -> list[Path]:
 
 def header(a) -> str:
     return (f"Produced by `python scripts/bench_all.py{' --quick' if a.quick else ''}`: each row's run (date UTC, "
-            "CPU, load average at its start and end) is its own; 2 threads for every runtime, each in its own "
-            "process, gemmalite and its peer alternated round by round (medians; the ratio's min-max over the "
-            "rounds). **The machine was shared** (up to 8 sessions on 2 cores: see each row's load), so absolute "
-            "speeds are low and noisy; read the ratios.")
+            f"CPU, load average at its start and end) is its own; {a.threads} threads for every runtime, each in its "
+            "own process, gemmalite and its peer alternated round by round (medians; the ratio's min-max over the "
+            f"rounds). The load says how busy the machine ({os.cpu_count()} CPUs) was: a row run at a load near or "
+            "above its CPU count shared them with other work, so its absolute speeds are low and noisy; read its "
+            "ratios. E2B / EmbeddingGemma 2 rows: random weights of the real shapes (`scripts/bench_inputs.py`).")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the Gemma 3 270M rows only, short prompts, 2 rounds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="prove that rows run: 1 round, the shortest settings (figures mean nothing), results in a "
+                         "temporary folder unless --out")
     ap.add_argument("--only", default=None, help="comma-separated row ids: " + ", ".join(r.id for r in ROWS))
     ap.add_argument("--out", type=Path, default=None,
                     help="results.json, table.md and the SVGs (default docs/benchmarks; --quick: a temporary folder)")
@@ -615,14 +769,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="alternations per row (default 2; 3 in a full run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a command may take")
-    synth = Path("/work/synth")
-    for name in ("e2b", "e2b-int8", "e2b-int4", "eg2", "eg2-int8"):
-        ap.add_argument(f"--{name}", default=str(synth / name) if (synth / name).exists() else None)
-    ap.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="BIN")
+    synth = Path(os.environ.get("GEMMALITE_SYNTH", "/work/synth"))
+    for name in INPUTS:
+        ap.add_argument(f"--{name}", default=str(synth / name) if (synth / name).exists() else None,
+                        help=f"{INPUTS[name]} (default $GEMMALITE_SYNTH/{name}, $GEMMALITE_SYNTH: /work/synth)")
+    ap.add_argument("--llama-bin", default=os.environ.get("GEMMALITE_LLAMA_BIN"), metavar="DIR",
+                    help="folder of llama.cpp's llama-bench and llama-server (default $GEMMALITE_LLAMA_BIN)")
+    ap.add_argument("--llama-server", default=None, metavar="BIN", help="default: in --llama-bin, or on PATH")
     ap.add_argument("--llama-bench", default=None, metavar="BIN",
-                    help="llama.cpp's benchmark, the Gemma 3 rows' peer when llama-cpp-python cannot run "
-                         "(default: beside --llama-server, or on PATH)")
+                    help="llama.cpp's benchmark: the E2B rows' peer, and the Gemma 3 rows' when llama-cpp-python "
+                         "cannot run (default: in --llama-bin, beside --llama-server, or on PATH)")
     ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--docs", type=int, default=32, help="EmbeddingGemma 2 documents of 512 tokens")
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
     ap.add_argument("--no-run", action="store_true", help="rewrite the table, plots (and --page) from results.json")
     a = ap.parse_args(argv)
@@ -630,22 +788,24 @@ def main(argv=None) -> int:
         for r in ROWS:
             print(f"{r.id:12s} {'quick' if r.quick else 'full '} {r.title}")
         return 0
+    if a.smoke:
+        a.rounds, a.images, a.docs = a.rounds or 1, 1, 2
     a.rounds = a.rounds or (2 if a.quick else 3)
-    beside = Path(a.llama_server).parent / "llama-bench" if a.llama_server else None
-    a.llama_bench = a.llama_bench or (str(beside) if beside and beside.exists() else shutil.which("llama-bench"))
-    a.out = a.out or (Path(tempfile.gettempdir()) / "gemmalite-bench-quick" if a.quick else ROOT / "docs" / "benchmarks")
+    a.llama_server = a.llama_server or find_binary("llama-server", a.llama_bin)
+    a.llama_bench = a.llama_bench or find_binary("llama-bench", a.llama_bin or (
+        Path(a.llama_server).parent if a.llama_server else None))
+    a.out = a.out or (Path(tempfile.gettempdir()) / f"gemmalite-bench-{'smoke' if a.smoke else 'quick'}"
+                      if a.quick or a.smoke else ROOT / "docs" / "benchmarks")
     a.out.mkdir(parents=True, exist_ok=True)
     ids = [r.id for r in ROWS]
-    only = a.only.split(",") if a.only else [r.id for r in ROWS if r.quick or not a.quick]
+    only = a.only.split(",") if a.only else [r.id for r in ROWS if r.quick or not a.quick]  # in this order
     only = [] if a.no_run else only
     bad = [i for i in only if i not in ids]
     if bad:
         ap.error(f"unknown rows {bad}; rows: {', '.join(ids)}")
     store = a.out / "results.json"
     results = json.loads(store.read_text()) if store.exists() else {}
-    for row in ROWS:
-        if row.id not in only:
-            continue
+    for row in [next(r for r in ROWS if r.id == i) for i in only]:
         print(f"== {row.id}: {row.title}", file=sys.stderr, flush=True)
         results[row.id] = run_row(row, a)
         print(f"   {results[row.id]['status']}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 """EmbeddingGemma 2 side by side: gemmalite (float, int8) vs transformers (float32 CPU) [vs egemma2].
 
 The workload of issue 11 on one checkpoint folder (e.g. ``gemmalite synth --preset eg2 OUT``):
-the latency of one short query and texts/s for 32 documents of 512 tokens, plus peak RSS.
+the latency of one short query and texts/s for 32 documents of 512 tokens (``--docs``), plus peak RSS.
 Each engine runs in its own process with ``--threads`` threads, rounds interleaved; the table
 gives medians over the rounds.
 
@@ -33,7 +33,8 @@ _WORKERS = {
     "gemmalite": """
 import json, sys
 from gemmalite.tools.bench_embed import bench_embedder
-r = bench_embedder(sys.argv[1], quant=None if sys.argv[2] in ("none", "converted") else sys.argv[2], runs=1)
+r = bench_embedder(sys.argv[1], quant=None if sys.argv[2] in ("none", "converted") else sys.argv[2], runs=1,
+                   docs=int(sys.argv[6]))
 print(json.dumps({k: r[k] for k in ("load_s", "query_ms", "docs_texts_s", "peak_rss_bytes")}))
 """,
     "transformers": """
@@ -55,12 +56,13 @@ embed(q); ts = []
 for _ in range(10):
     t = time.perf_counter(); embed(q); ts.append(time.perf_counter() - t)
 rng = np.random.default_rng(0)
-docs = [[2, *rng.integers(1000, 262144, 510).tolist(), 1] for _ in range(32)]
+n = int(sys.argv[6])
+docs = [[2, *rng.integers(1000, 262144, 510).tolist(), 1] for _ in range(n)]
 embed(docs[:2]); t = time.perf_counter()
-for i in range(0, 32, 8):
+for i in range(0, n, 8):
     embed(docs[i:i + 8])
 d = time.perf_counter() - t
-print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": 32 / d,
+print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": n / d,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """,
     "egemma2": """
@@ -81,19 +83,19 @@ with Egemma2(exe=exe, model_dir=sys.argv[1], device="cpu") as m:
     m.embed(sys.argv[5], prompt_name="SearchQuery"); ts = []
     for _ in range(10):
         t = time.perf_counter(); m.embed(sys.argv[5], prompt_name="SearchQuery"); ts.append(time.perf_counter() - t)
-    docs = [" ".join(["word"] * 510) for _ in range(32)]
+    docs = [" ".join(["word"] * 510) for _ in range(int(sys.argv[6]))]
     m.embed(docs[:2]); t = time.perf_counter(); m.embed(docs); d = time.perf_counter() - t
     rss = hwm(m._proc.pid)
-print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": 32 / d,
+print(json.dumps({"load_s": load, "query_ms": 1000 * statistics.median(ts), "docs_texts_s": len(docs) / d,
                   "peak_rss_bytes": rss}))
 """,
 }
 
 
-def run(engine: str, model: str, quant: str, threads: int) -> dict:
+def run(engine: str, model: str, quant: str, threads: int, docs: int = 32) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads), EGEMMA2_THREADS=str(threads))
-    p = subprocess.run([sys.executable, "-c", _WORKERS[engine], model, quant, str(threads), PROMPT, QUERY],
+    p = subprocess.run([sys.executable, "-c", _WORKERS[engine], model, quant, str(threads), PROMPT, QUERY, str(docs)],
                        capture_output=True, text=True, env=env)
     if p.returncode:
         return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1][:200]}
@@ -109,6 +111,7 @@ def main() -> int:
     ap.add_argument("--engines", default="gemmalite/none,gemmalite/int8,transformers/none,egemma2/none",
                     help="comma-separated ENGINE/QUANT list (default: all four; the int8 row is the "
                          "converted checkpoint when --converted-int8 is given)")
+    ap.add_argument("--docs", type=int, default=32, help="documents of 512 tokens (default 32)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     int8 = ("gemmalite", "converted", a.converted_int8) if a.converted_int8 else ("gemmalite", "int8", a.model)
@@ -116,7 +119,7 @@ def main() -> int:
     results: dict[str, list[dict]] = {f"{e}/{q}": [] for e, q, _ in engines}
     for _ in range(a.rounds):
         for e, q, path in engines:
-            results[f"{e}/{q}"].append(run(e, path, q, a.threads))
+            results[f"{e}/{q}"].append(run(e, path, q, a.threads, a.docs))
     table = {}
     for name, rs in results.items():
         ok = [r for r in rs if "error" not in r]

@@ -9,7 +9,10 @@ own), and with ``--rounds R`` the runtimes run interleaved R times (A B C A B C 
   transformers bf16 (f32)       AutoModelForCausalLM + ``generate`` (greedy); prefill = prompt / time(generate 1),
                                 decode = (N-1) / (time(generate N) - time(generate 1))
   llama.cpp Q8_0 / Q4_0         llama-cpp-python ``Llama(n_ctx=512, n_batch=512)``; prefill = ``eval(prompt)``
-                                after ``reset()``, decode = N single-token ``eval`` calls with greedy argmax
+                                after ``reset()``, decode = N single-token ``eval`` calls with greedy argmax;
+                                or ``--llama-bench BIN`` (llama.cpp's own benchmark: ``-p P -n 0`` for prefill,
+                                ``-p 0 -n N -d P`` for decode after P tokens; peak RSS of its processes), or
+                                ``--llama-server BIN`` (the server's own timings)
   bandwidth                     scripts/bandwidth_probe.py (numba parallel sum over 2 GiB)
 
 It prints prefill/decode tok/s, load s, peak RSS, weight GB read per decoded token and the fraction of the
@@ -19,7 +22,8 @@ processes kept busy meanwhile (``others``, from /proc/stat less our children's C
 ``--max-others`` are left out of the medians when cleaner ones exist, and ``--wait-idle S`` waits up to S seconds
 for a quiet moment before each measurement.
 
-GGUFs are converted once and cached in MODEL/gguf/: llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python
+GGUFs are converted once and cached in MODEL/gguf/ (``--gguf-dir``; ``scripts/bench_inputs.py`` makes them with
+the llama-quantize binary instead): llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python
 source distribution (``pip download --no-binary :all:`` into /tmp/lcpp_src when absent), writes Q8_0 directly
 (``--outtype q8_0``); Q4_0 is converted to a bf16 GGUF, then ``llama_cpp.llama_model_quantize`` with
 LLAMA_FTYPE_MOSTLY_Q4_0 (what ``llama-quantize in.gguf Q4_0`` does; the wheel ships no binary), and the bf16
@@ -190,6 +194,29 @@ def llama_server_worker(a) -> dict:
             "weight_bytes_per_token": gguf_bytes_per_token(a.gguf), "server": a.llama_server}
 
 
+def llama_bench_worker(a) -> dict:
+    """llama.cpp through its own benchmark binary: prefill of the prompt length from an empty context
+    (``-p P -n 0``), then decode of N tokens after a context of P tokens (``-p 0 -n N -d P``), each
+    ``--runs`` times after llama-bench's own warm-up (its prompt: random ids of the same count). Two
+    child processes; peak RSS is the larger of the two (``RUSAGE_CHILDREN``), load time is not measured."""
+    import resource
+
+    base = [a.llama_bench, "-m", a.gguf, "-t", str(a.threads), "-r", str(a.runs), "-o", "json"]
+    recs = []
+    for extra in (["-p", str(a.prompt_tokens), "-n", "0"],
+                  ["-p", "0", "-n", str(a.new_tokens), "-d", str(a.prompt_tokens)]):
+        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=a.timeout)
+        if p.returncode:
+            raise SystemExit(f"llama-bench exited with {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+        recs += json.loads(p.stdout)
+    pp = next(r for r in recs if r["n_prompt"] == a.prompt_tokens and r["n_gen"] == 0)
+    tg = next(r for r in recs if r["n_gen"] == a.new_tokens and r["n_depth"] == a.prompt_tokens)
+    return {"load_s": None, "prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            "weight_bytes_per_token": gguf_bytes_per_token(a.gguf), "bench": a.llama_bench,
+            "build": f"{tg.get('build_commit', '?')} ({tg.get('cpu_info', '')}; {tg.get('backends', '')})"}
+
+
 def gguf_bytes_per_token(path: str) -> int:
     """Bytes of every tensor but the per-layer embedding table (row lookups); token_embd is the tied LM head."""
     from gguf import GGUFReader
@@ -246,8 +273,9 @@ def converter_input(model: Path, gdir: Path) -> Path:
     return stage
 
 
-def ensure_ggufs(model: Path, threads: int, src_dir: Path, kinds=("Q8_0", "Q4_0")) -> dict[str, Path]:
-    gdir = model / "gguf"
+def ensure_ggufs(model: Path, threads: int, src_dir: Path, kinds=("Q8_0", "Q4_0"),
+                 gdir: Path | None = None) -> dict[str, Path]:
+    gdir = gdir or model / "gguf"
     paths = {k: gdir / f"{model.name}-{k}.gguf" for k in kinds}
     if all(p.exists() for p in paths.values()):
         return paths
@@ -330,7 +358,9 @@ def runtimes(a, ggufs: dict[str, Path]) -> dict[str, list[str]]:
         for dt in ("bf16", "f32") if a.with_hf_f32 else ("bf16",):
             rt[f"transformers {dt}"] = [py, me, "--worker", "hf", "--model", str(a.model), "--dtype", dt, *common]
     for k, path in ggufs.items():
-        worker = ["--worker", "llama-server", "--llama-server", a.llama_server] if a.llama_server else ["--worker", "llama"]
+        worker = (["--worker", "llama-bench", "--llama-bench", a.llama_bench] if a.llama_bench
+                  else ["--worker", "llama-server", "--llama-server", a.llama_server] if a.llama_server
+                  else ["--worker", "llama"])
         rt[f"llama.cpp {k}"] = [py, me, *worker, "--model", str(a.model), "--gguf", str(path), *common]
     return {k: v for k, v in rt.items() if not a.only or k == "bandwidth" or k in a.only}
 
@@ -375,7 +405,8 @@ def table(m: dict, bw: float | None) -> str:
             continue
         wb = r.get("weight_bytes_per_token")
         bound = bw * 1e9 / wb if bw and wb else None
-        out.append(f"{name:20s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} {r['load_s']:7.1f} "
+        load = "-" if r.get("load_s") is None else f"{r['load_s']:.1f}"
+        out.append(f"{name:20s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} {load:>7s} "
                    f"{r['peak_rss_bytes'] / 2**30:12.2f} {(wb or 0) / 1e9:8.3f} "
                    + (f"{bound:11.2f} {100 * r['decode_tok_s'] / bound:9.0f}%" if bound else f"{'-':>11s} {'-':>10s}")
                    + f" {r.get('others_cores', 0):6.2f} {r['rounds_used']:2d}")
@@ -407,23 +438,31 @@ def main(argv=None) -> int:
                     help="checkpoint written by `gemmalite convert --quant int4` (else quantized at load)")
     ap.add_argument("--llama-server", default=None, metavar="BIN",
                     help="run llama.cpp through this llama-server binary (its own timings) instead of llama-cpp-python")
+    ap.add_argument("--llama-bench", default=None, metavar="BIN",
+                    help="run llama.cpp through this llama-bench binary (prefill from empty, decode after the "
+                         "prompt; peak RSS of its processes) instead of llama-cpp-python or llama-server")
+    ap.add_argument("--gguf-dir", type=Path, default=None,
+                    help="where MODEL's GGUFs are (MODEL-NAME-Q8_0.gguf, -Q4_0.gguf; default MODEL/gguf), made "
+                         "there when absent")
     ap.add_argument("--only", default=None, metavar="NAMES",
                     help="comma-separated runtimes to run, e.g. 'gemmalite int8,transformers bf16,llama.cpp Q8_0'")
-    ap.add_argument("--worker", choices=["hf", "llama", "llama-server", "quantize"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["hf", "llama", "llama-server", "llama-bench", "quantize"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", "--src", dest="gguf", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         a.src = a.gguf
-        workers = {"hf": hf_worker, "llama": llama_worker, "llama-server": llama_server_worker, "quantize": quantize_worker}
+        workers = {"hf": hf_worker, "llama": llama_worker, "llama-server": llama_server_worker,
+                   "llama-bench": llama_bench_worker, "quantize": quantize_worker}
         print(json.dumps(workers[a.worker](a)))
         return 0
 
     a.model = a.model.resolve()
     a.only = [n.strip() for n in a.only.split(",")] if a.only else None
     kinds = [k for k in ("Q8_0", "Q4_0") if not a.only or f"llama.cpp {k}" in a.only]
-    ggufs = {} if a.skip_llama or not kinds else ensure_ggufs(a.model, a.threads, a.lcpp_src, kinds)
+    ggufs = {} if a.skip_llama or not kinds else ensure_ggufs(a.model, a.threads, a.lcpp_src, kinds, a.gguf_dir)
     env = {**os.environ, **{v: str(a.threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                                           "NUMBA_NUM_THREADS")}, "TOKENIZERS_PARALLELISM": "false"}
     rt = runtimes(a, ggufs)
