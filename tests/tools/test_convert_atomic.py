@@ -174,7 +174,10 @@ def test_full_disk(src, small_disk):
 
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C as a user's shell delivers it: a child of a background job (CI started with `&`) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from gemmalite.tools import convert as c
     from gemmalite.formats.folder import load_folder
     src, out, phase = sys.argv[1:]
