@@ -11,7 +11,8 @@ compiled the kernels. The kernels therefore take fastmath without ``reassoc`` (`
 the sums that need SIMD to be fast are these intrinsics, whose order is fixed before LLVM sees
 them: ``LANES`` partial sums (element ``c`` into lane ``c % LANES``) over the first
 ``n - n % LANES`` elements, the lanes added by halves (lane ``l`` + lane ``l + LANES/2``, down to
-one), then the tail elements one by one. Every optimisation of this IR gives the same bits.
+one), plus the sum of the tail elements taken one by one. Every optimisation of this IR gives
+the same bits.
 Products are fused into their sums where the CPU has FMA (``contract``: fixed per CPU, never a
 reordering). A pair's sum is the same whatever tile it is computed in.
 """
@@ -106,7 +107,8 @@ def _sums(builder, rows: list, n, terms, count: int, wide: bool) -> list:
 
     end = builder.mul(builder.sdiv(n, _c64(LANES)), _c64(LANES))
     zeros = ir.Constant(ir.VectorType(fty, LANES), [0.0] * LANES)
-    heads = [_halves(builder, a) for a in _loop(builder, "fsum.lanes", _c64(0), end, LANES, [zeros] * count, step(True))]
+    lanes = _loop(builder, "fsum.lanes", _c64(0), end, LANES, [zeros] * count, step(True))
+    heads = [_halves(builder, a) for a in lanes]
     tails = _loop(builder, "fsum.tail", end, n, 1, [ir.Constant(fty, 0.0)] * count, step(False))
     return [builder.fadd(h, t, flags=_CONTRACT) for h, t in zip(heads, tails)]
 
