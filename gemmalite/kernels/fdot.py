@@ -9,12 +9,15 @@ a float sum differently in the two copies, and it did (`attention_blocked`: 2,22
 outputs of one call 1 ulp apart), so a text's embedding depended on whether its process had
 compiled the kernels. The kernels therefore take fastmath without ``reassoc`` (`common.FAST`);
 the sums that need SIMD to be fast are these intrinsics, whose order is fixed before LLVM sees
-them: ``LANES`` partial sums (element ``c`` into lane ``c % LANES``) over the first
-``n - n % LANES`` elements, the lanes added by halves (lane ``l`` + lane ``l + LANES/2``, down to
-one), plus the sum of the tail elements taken one by one. Every optimisation of this IR gives
-the same bits.
+them: ``L`` partial sums (element ``c`` into lane ``c % L``) over the first ``n - n % L``
+elements, the lanes added by halves (lane ``l`` + lane ``l + L/2``, down to one), plus the sum of
+the tail elements taken one by one. Every optimisation of this IR gives the same bits.
+``L`` is LANES (one AVX-512 register), except in a `dot_tile` of fewer than four sums, which
+takes ``LANES * (4 // sums)`` (64 for one: four sums in flight, as the tiles keep; one chain of
+FMAs would wait on each other). So a pair's sum is the same in every tile of three sums or more
+(the kernels' tiles of 4 x 4, 4 x 3, 4 x 1, 1 x 4), and in every tile of its own size.
 Products are fused into their sums where the CPU has FMA (``contract``: fixed per CPU, never a
-reordering). A pair's sum is the same whatever tile it is computed in.
+reordering).
 """
 from __future__ import annotations
 
@@ -84,20 +87,20 @@ def _tuple(builder, tup_type, tup) -> list:
     return [builder.extract_value(tup, i) for i in range(tup_type.count)]
 
 
-def _sums(builder, rows: list, n, terms, count: int, wide: bool) -> list:
-    """``count`` sums in the module's order, of ``terms(loads) -> [addend] * count`` (loads: one
-    float32 value per row of ``rows``, ``(pointer, element type)``: a LANES-vector in the main loop,
-    a scalar in the tail; int8 elements converted exactly); float64 lanes if ``wide``."""
+def _sums(builder, rows: list, n, terms, count: int, wide: bool, width: int = LANES) -> list:
+    """``count`` sums in the module's order over ``width`` lanes, of ``terms(loads) -> [addend] * count``
+    (loads: one float32 value per row of ``rows``, ``(pointer, element type)``: a vector of ``width``
+    in the main loop, a scalar in the tail; int8 elements converted exactly); float64 lanes if ``wide``."""
     fty = _F64 if wide else _F32
 
     def load(row, c, lanes):
         p, ety = row
         at = builder.gep(p, [c], inbounds=True)
         if lanes:
-            v = builder.load(builder.bitcast(at, ir.VectorType(ety, LANES).as_pointer()), align=1)
+            v = builder.load(builder.bitcast(at, ir.VectorType(ety, width).as_pointer()), align=1)
         else:
             v = builder.load(at)
-        return v if ety == _F32 else builder.sitofp(v, ir.VectorType(_F32, LANES) if lanes else _F32)
+        return v if ety == _F32 else builder.sitofp(v, ir.VectorType(_F32, width) if lanes else _F32)
 
     def step(lanes):
         def body(c, accs):
@@ -105,9 +108,9 @@ def _sums(builder, rows: list, n, terms, count: int, wide: bool) -> list:
             return [builder.fadd(a, t, flags=_CONTRACT) for a, t in zip(accs, terms(loads))]
         return body
 
-    end = builder.mul(builder.sdiv(n, _c64(LANES)), _c64(LANES))
-    zeros = ir.Constant(ir.VectorType(fty, LANES), [0.0] * LANES)
-    lanes = _loop(builder, "fsum.lanes", _c64(0), end, LANES, [zeros] * count, step(True))
+    end = builder.mul(builder.sdiv(n, _c64(width)), _c64(width))
+    zeros = ir.Constant(ir.VectorType(fty, width), [0.0] * width)
+    lanes = _loop(builder, "fsum.lanes", _c64(0), end, width, [zeros] * count, step(True))
     heads = [_halves(builder, a) for a in lanes]
     tails = _loop(builder, "fsum.tail", end, n, 1, [ir.Constant(fty, 0.0)] * count, step(False))
     return [builder.fadd(h, t, flags=_CONTRACT) for h, t in zip(heads, tails)]
@@ -122,7 +125,8 @@ def _rows_of(t, dtypes) -> bool:
 def dot_tile(typingctx, xs, ws):
     """``(x_i . w_j for i in xs for j in ws)`` of 1-D contiguous arrays, 1-4 in each tuple, all as
     long as ``xs[0]``: ``xs`` float32, ``ws`` float32 or int8 (an int8 weight row, each value
-    converted exactly). The tile's products share each load of their rows."""
+    converted exactly). The tile's products share each load of their rows; lanes per sum as the
+    module says (LANES, more in tiles of fewer than three sums)."""
     if not (_rows_of(xs, (types.float32,)) and _rows_of(ws, (types.float32, types.int8))):
         return None
     nx, nw = xs.count, ws.count
@@ -132,7 +136,7 @@ def dot_tile(typingctx, xs, ws):
         pw, _ = _arrays(context, builder, ws.dtype, _tuple(builder, ws, args[1]))
         mul = lambda a, b: builder.fmul(a, b, flags=_CONTRACT)  # noqa: E731
         terms = lambda v: [mul(v[i], v[nx + j]) for i in range(nx) for j in range(nw)]  # noqa: E731
-        sums = _sums(builder, px + pw, n, terms, nx * nw, False)
+        sums = _sums(builder, px + pw, n, terms, nx * nw, False, LANES * max(1, 4 // (nx * nw)))
         return context.make_tuple(builder, signature.return_type, sums)
 
     return types.UniTuple(types.float32, nx * nw)(xs, ws), codegen

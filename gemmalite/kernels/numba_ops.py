@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from .common import EXACT, FAST, bits_to_f32, prefetch
-from .fdot import LANES, dot_tile, lane_sum, sum_squares64
+from .fdot import dot_tile, lane_sum, sum_squares64
 
 ROWS_PER_TASK = 64
 PREFETCH_STRIPS = 4  # matmul_tiles: 4-row strips ahead whose weights are prefetched
@@ -210,10 +210,7 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
     verification). A query that sees no slot gets zeros (never in the engine: a query sees itself).
     Each thread streams the whole ring (a sliding layer's: ~0.5 MiB at E2B's shape, then in L2 for
     the thread's other heads): in a decode step this beat splitting the ring's few key blocks over
-    the threads (`attention_decode`, which wins on full layers' long contexts). Scores go four
-    visible slots at a time (`dot_tile`); the weighted sum of V runs in slot order, the sum of the
-    exponentials by `lane_sum` over every slot (masked ones hold 0) and whole lanes past the last,
-    so that it depends neither on masked slots nor on how many slots the ring has."""
+    the threads (`attention_decode`, which wins on full layers' long contexts)."""
     T, nq, D = q.shape
     N, kv = k.shape[0], k.shape[1]
     g = nq // kv
@@ -222,30 +219,25 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
         h = task % nq
         kh = h // g
         qp = q_pos[t]
-        seen = np.empty(N, np.int64)  # the visible slots, in slot order
-        m = 0
-        for j in range(N):
-            if visible(k_pos[j], qp, window, causal):
-                seen[m] = j
-                m += 1
-        s = np.zeros((N + LANES - 1) // LANES * LANES, np.float32)  # whole lanes: the sum never depends on N
         qr = q[t, h]
-        for i in range(0, m, 4):  # past the last visible slot, the last repeats
-            ja, jb, jc, jd = seen[i], seen[min(i + 1, m - 1)], seen[min(i + 2, m - 1)], seen[min(i + 3, m - 1)]
-            d4 = dot_tile((qr,), (k[ja, kh], k[jb, kh], k[jc, kh], k[jd, kh]))
-            s[ja], s[jb], s[jc], s[jd] = d4[0] * scale, d4[1] * scale, d4[2] * scale, d4[3] * scale
+        s = np.empty(N, np.float32)
         best = masked
-        for i in range(m):
-            best = max(best, s[seen[i]])
+        for j in range(N):
+            kp = k_pos[j]
+            if not visible(kp, qp, window, causal):
+                s[j] = masked
+            else:
+                s[j] = dot_tile((qr,), (k[j, kh],))[0] * scale
+                best = max(best, s[j])
         o = out[t, h * D : (h + 1) * D]
         o[:] = 0
-        for i in range(m):
-            j = seen[i]
-            e = np.exp(s[j] - best)
-            s[j] = e
-            for d in range(D):
-                o[d] += e * v[j, kh, d]
-        tot = lane_sum(s)
+        tot = np.float32(0.0)
+        for j in range(N):  # one pass, in slot order: the sums never depend on how many masked slots follow
+            if s[j] > masked:
+                e = np.exp(s[j] - best)
+                tot += e
+                for d in range(D):
+                    o[d] += e * v[j, kh, d]
         inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
         for d in range(D):
             o[d] *= inv
@@ -513,15 +505,15 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                     if (p00 + p01 + p02 + p03 + p10 + p11 + p12 + p13 + p20 + p21 + p22 + p23
                             + p30 + p31 + p32 + p33) == 0:
                         continue
-                    for d in range(D):
+                    for d in range(D):  # a chain from the sum so far: four fused multiply-adds each
                         va = v[ja, kh, d]
                         vb = v[jb, kh, d]
                         vc = v[jc, kh, d]
                         vd = v[jd, kh, d]
-                        acc[r0, d] += p00 * va + p01 * vb + p02 * vc + p03 * vd
-                        acc[r0 + 1, d] += p10 * va + p11 * vb + p12 * vc + p13 * vd
-                        acc[r0 + 2, d] += p20 * va + p21 * vb + p22 * vc + p23 * vd
-                        acc[r0 + 3, d] += p30 * va + p31 * vb + p32 * vc + p33 * vd
+                        acc[r0, d] = (((acc[r0, d] + p00 * va) + p01 * vb) + p02 * vc) + p03 * vd
+                        acc[r0 + 1, d] = (((acc[r0 + 1, d] + p10 * va) + p11 * vb) + p12 * vc) + p13 * vd
+                        acc[r0 + 2, d] = (((acc[r0 + 2, d] + p20 * va) + p21 * vb) + p22 * vc) + p23 * vd
+                        acc[r0 + 3, d] = (((acc[r0 + 3, d] + p30 * va) + p31 * vb) + p32 * vc) + p33 * vd
         for r in range(nr):
             inv = np.float32(1.0) / tot[r] if tot[r] > 0 else np.float32(0.0)
             for d in range(D):

@@ -1,7 +1,7 @@
 """`kernels.fdot`: the sums are in the order its docstring writes out (against a numpy emulation of
 that order, on inputs whose products are exact so that fusing a product into its sum changes
-nothing), each pair's sum is the same in every tile shape, and the values are within float32's
-rounding of float64 math."""
+nothing), each pair's sum is the same in every tile of as many lanes, and the values are within
+float32's rounding of float64 math."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +12,12 @@ from numba import njit
 
 from gemmalite.kernels.fdot import LANES, dot_tile, lane_sum, sum_squares64
 
-LENGTHS = [0, 1, LANES - 1, LANES, LANES + 1, 40, 64, 100]
+LENGTHS = [0, 1, LANES - 1, LANES, LANES + 1, 40, 4 * LANES - 1, 4 * LANES, 130]
+
+
+def _lanes(nx: int, nw: int) -> int:
+    """Lanes per sum of an ``nx`` x ``nw`` tile, as the module's docstring says."""
+    return LANES * max(1, 4 // (nx * nw))
 
 
 @njit
@@ -30,14 +35,13 @@ def _squares(x):
     return sum_squares64(x)
 
 
-def _ordered(terms: np.ndarray) -> np.ndarray:
-    """The module's order over the last axis: lane ``c % LANES`` for the whole lanes, halves, then the tail."""
+def _ordered(terms: np.ndarray, width: int = LANES) -> np.ndarray:
+    """The module's order over the last axis: lane ``c % width`` for the whole lanes, halves, plus the tail."""
     n = terms.shape[-1]
-    body = n - n % LANES
-    lanes = np.zeros(terms.shape[:-1] + (LANES,), terms.dtype)
+    body = n - n % width
+    lanes = np.zeros(terms.shape[:-1] + (width,), terms.dtype)
     for c in range(body):
-        lanes[..., c % LANES] += terms[..., c]
-    width = LANES
+        lanes[..., c % width] += terms[..., c]
     while width > 1:
         width //= 2
         lanes = lanes[..., :width] + lanes[..., width : 2 * width]
@@ -54,14 +58,16 @@ def _exact_products(rng, shape) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_dot_tile_sums_in_the_written_order(n):
+@pytest.mark.parametrize("nx, nw", [(4, 4), (4, 3), (1, 4), (2, 1), (1, 1)])
+def test_dot_tile_sums_in_the_written_order(n, nx, nw):
     rng = np.random.default_rng(n)
-    x, w = _exact_products(rng, (4, n)), _exact_products(rng, (4, n))
-    want = _ordered(x[:, None, :] * w[None, :, :])  # [4, 4]: products exact, sums in float32
-    got = np.array(_dot(tuple(x), tuple(w))).reshape(4, 4)
+    x, w = _exact_products(rng, (nx, n)), _exact_products(rng, (nw, n))
+    terms = x[:, None, :] * w[None, :, :]  # products exact, sums in float32
+    want = _ordered(terms, _lanes(nx, nw))
+    got = np.array(_dot(tuple(x), tuple(w))).reshape(nx, nw)
     np.testing.assert_array_equal(got, want)
-    if n >= 2 * LANES:  # the order matters on these inputs: a plain running sum differs somewhere
-        assert not np.array_equal(np.cumsum(x[:, None, :] * w[None, :, :], axis=-1, dtype=np.float32)[..., -1], want)
+    if n >= 2 * _lanes(nx, nw):  # the order matters on these inputs: a plain running sum differs somewhere
+        assert not np.array_equal(np.cumsum(terms, axis=-1, dtype=np.float32)[..., -1], want)
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -74,19 +80,24 @@ def test_int8_rows_are_converted_exactly(n):
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_each_pair_is_the_same_in_every_tile(n):
+def test_each_pair_is_the_same_in_every_tile_of_as_many_lanes(n):
+    """Any values: a pair's sum in any tile equals its sum in the first tile of as many lanes per sum
+    (4 x 4 for three sums or more, 1 x 2 for two, 1 x 1), and is within float32's rounding."""
     rng = np.random.default_rng(100 + n)
     x = rng.standard_normal((4, n)).astype(np.float32)
     w = rng.standard_normal((4, n)).astype(np.float32)
-    ref = np.array(_dot(tuple(x), tuple(w))).reshape(4, 4)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = 2 * n * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
+    ref = {_lanes(4, 4): np.array(_dot(tuple(x), tuple(w))).reshape(4, 4),
+           _lanes(1, 2): np.array([[_dot((x[i],), (w[j], w[j]))[0] for j in range(4)] for i in range(4)]),
+           _lanes(1, 1): np.array([[_dot((x[i],), (w[j],))[0] for j in range(4)] for i in range(4)])}
+    assert sorted(ref) == [LANES, 2 * LANES, 4 * LANES]
     for nx, nw in itertools.product(range(1, 5), repeat=2):
         rows = rng.choice(4, nx, replace=False)
         cols = rng.choice(4, nw, replace=False)
         got = np.array(_dot(tuple(x[rows]), tuple(w[cols]))).reshape(nx, nw)
-        np.testing.assert_array_equal(got, ref[np.ix_(rows, cols)], err_msg=f"{nx} x {nw}")
-    exact = x.astype(np.float64) @ w.T.astype(np.float64)
-    bound = 2 * n * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
-    assert np.all(np.abs(ref - exact) <= bound)
+        np.testing.assert_array_equal(got, ref[_lanes(nx, nw)][np.ix_(rows, cols)], err_msg=f"{nx} x {nw}")
+        assert np.all(np.abs(got - exact[np.ix_(rows, cols)]) <= bound[np.ix_(rows, cols)]), f"{nx} x {nw}"
 
 
 @pytest.mark.parametrize("n", LENGTHS)
