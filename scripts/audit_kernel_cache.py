@@ -13,8 +13,11 @@ copy's symbol wins, so the linked copy that the cache holds only runs elsewhere.
     PYTHONPATH=scripts NUMBA_CACHE_DIR=$(mktemp -d) python -m pytest -q -p audit_kernel_cache tests/kernels tests/weights
 
 prints ``kernel cache audit: N calls replayed, M differ`` and each difference (kernel, argument
-types, how many values, the largest gap). A fresh NUMBA_CACHE_DIR makes the run compile every
-kernel itself. Uses numba internals (codegen libraries, `get_executable`): a development tool.
+types, how many values, the largest gap), and fails the run if any differs. A fresh
+NUMBA_CACHE_DIR makes the run compile every kernel itself. Uses numba internals (codegen
+libraries, `get_executable`): a development tool. It found the two hazards `common.FAST` names:
+``reassoc`` sums (attention_blocked, softmax_rows on main) and an addition of two products
+(a fused multiply-add may take either).
 """
 from __future__ import annotations
 
@@ -97,3 +100,5 @@ def pytest_sessionfinish(session, exitstatus):
     print(f"\nkernel cache audit: {n} calls replayed, {len(diffs)} differ")
     for name, sig, count, gap in diffs:
         print(f"  {name}{sig}: {count} values differ, up to {gap:.3g}")
+    if diffs and session.exitstatus == 0:
+        session.exitstatus = 1

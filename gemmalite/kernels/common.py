@@ -25,6 +25,9 @@ announce_first_compile()  # one stderr line when this process first compiles a k
 # compiled the kernel runs the first copy, one that loaded it from the disk cache the second.
 # With ``reassoc`` LLVM ordered a sum differently in the two, so results depended on whether the
 # process had compiled its kernels (see `fdot`, where the sums that need SIMD are written out).
+# ``contract`` (fused multiply-add) stays, but an addition in a FAST kernel takes at most one product
+# (``acc + a * b``, never ``a * b + c * d``): which of two products is fused is LLVM's choice, and
+# it too differed between the copies (scripts/audit_kernel_cache.py finds such cases).
 EXACT = dict(cache=True, error_model="numpy", boundscheck=False, fastmath=False)
 FAST = dict(EXACT, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 

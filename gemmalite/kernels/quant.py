@@ -223,7 +223,7 @@ def i8_dequant_ids(q, scale, ids, out):
 # --------------------------------------------------------------------------- int4 kernels
 
 
-@njit(**_FAST)
+@njit(**_JIT)
 def fit_group(v, wt, nq):
     """Weighted least-squares (scale, min) for one group, v ~ d * n + m, n in 0..15."""
     lo = v.min()
@@ -337,12 +337,13 @@ def _i4_min(mins, scales, r, g, sym):
 
 @njit(inline="always", **_FAST)
 def _nibble_lanes(p, xa, xb, d, lanes):  # pragma: no cover - compiled
-    """``lanes[j] += d * (lo_j * xa[j] + hi_j * xb[j])`` for the bytes ``p`` of one group: a
-    partial sum per byte position across the groups (vectorised, no reordering), `lane_sum`'d at
-    the end."""
+    """``lanes[j] += d lo_j xa[j] + d hi_j xb[j]`` for the bytes ``p`` of one group: a partial sum
+    per byte position across the groups (vectorised, no reordering), `lane_sum`'d at the end. Each
+    addition takes one product (`common.FAST`: which of two products a fused multiply-add takes
+    is LLVM's choice, and it chose differently in the two compiled copies)."""
     for j in range(p.shape[0]):
         lo, hi = nibbles(p[j])
-        lanes[j] += d * (lo * xa[j] + hi * xb[j])
+        lanes[j] = (lanes[j] + (d * lo) * xa[j]) + (d * hi) * xb[j]
 
 
 @njit(parallel=True, **_FAST)
