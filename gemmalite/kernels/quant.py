@@ -335,6 +335,9 @@ def _i4_min(mins, scales, r, g, sym):
     return np.float32(-8.0) * h2f(scales[r, g]) if sym else h2f(mins[r, g])
 
 
+SCRATCH_ROWS = 64  # rows per task of the kernels below that need a scratch row (one allocation per task)
+
+
 @njit(inline="always", **_FAST)
 def _nibble_lanes(p, xa, xb, d, lanes):  # pragma: no cover - compiled
     """``lanes[j] += d lo_j xa[j] + d hi_j xb[j]`` for the bytes ``p`` of one group: a partial sum
@@ -354,16 +357,18 @@ def i4_mv1(packed, scales, mins, x, xs, group, out, sym=False):
     h = group // 2
     x0 = x[0]
     xs0 = xs[0]
-    for r in prange(n):
-        pr = packed[r]
-        sr = scales[r]
-        lanes = np.zeros(h, np.float32)
-        m = np.float32(0.0)
-        for g in range(ng):
-            _nibble_lanes(pr[g * h : g * h + h], x0[g * group : g * group + h], x0[g * group + h : g * group + group],
-                          h2f(sr[g]), lanes)
-            m += _i4_min(mins, scales, r, g, sym) * xs0[g]
-        out[0, r] = lane_sum(lanes) + m
+    for b in prange((n + SCRATCH_ROWS - 1) // SCRATCH_ROWS):
+        lanes = np.empty(h, np.float32)
+        for r in range(b * SCRATCH_ROWS, min(n, b * SCRATCH_ROWS + SCRATCH_ROWS)):
+            pr = packed[r]
+            sr = scales[r]
+            lanes[:] = 0
+            m = np.float32(0.0)
+            for g in range(ng):
+                _nibble_lanes(pr[g * h : g * h + h], x0[g * group : g * group + h],
+                              x0[g * group + h : g * group + group], h2f(sr[g]), lanes)
+                m += _i4_min(mins, scales, r, g, sym) * xs0[g]
+            out[0, r] = lane_sum(lanes) + m
 
 
 # `int4_rows_dot` on rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), with
@@ -385,7 +390,6 @@ def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
     for b in prange((n + rows_per_task - 1) // rows_per_task):
         r = b * rows_per_task
         r1 = min(n, r + rows_per_task)
-        mrow = np.empty(scales.shape[1], np.float32)  # a row's mins in float32
         for t0 in range(0, t_all, TOKEN_TILE):
             nt = min(TOKEN_TILE, t_all - t0)
             if r + 4 == r1 and rows_per_task == 4:
@@ -393,11 +397,16 @@ def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
             else:
                 for i in range(r, r1):
                     _i4_tile(packed, scales, xq, xd, i, t0, nt, out, group, False)
-        for i in range(r, r1):
+    for b in prange((n + SCRATCH_ROWS - 1) // SCRATCH_ROWS):  # + sum_g m_g xs[t, g]; a row's mins in float32 first
+        mrow = np.empty(scales.shape[1], np.float32)
+        for i in range(b * SCRATCH_ROWS, min(n, b * SCRATCH_ROWS + SCRATCH_ROWS)):
             for g in range(scales.shape[1]):
                 mrow[g] = h2f(mins[i, g])
-            for t in range(t_all):
-                out[t, i] += dot_tile((mrow,), (xs[t],))[0]
+            for t0 in range(0, t_all, 4):  # four tokens per pass (past the last, it repeats): 16 lanes each
+                s4 = dot_tile((xs[t0], xs[min(t0 + 1, t_all - 1)], xs[min(t0 + 2, t_all - 1)],
+                               xs[min(t0 + 3, t_all - 1)]), (mrow,))
+                for j in range(min(4, t_all - t0)):
+                    out[t0 + j, i] += s4[j]
 
 
 @njit(parallel=True, **_FAST)
@@ -414,41 +423,43 @@ def i4_mv4(packed, scales, mins, x, xs, group, out, sym=False):
     x1 = x[i1]
     x2 = x[i2]
     x3 = x[i3]
-    for r in prange(n):
-        pr = packed[r]
-        sr = scales[r]
-        lanes = np.zeros((4, h), np.float32)
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for g in range(ng):
-            p = pr[g * h : g * h + h]
-            o = g * group
-            y0a = x0[o : o + h]
-            y0b = x0[o + h : o + group]
-            y1a = x1[o : o + h]
-            y1b = x1[o + h : o + group]
-            y2a = x2[o : o + h]
-            y2b = x2[o + h : o + group]
-            y3a = x3[o : o + h]
-            y3b = x3[o + h : o + group]
-            d = h2f(sr[g])
-            _nibble_lanes(p, y0a, y0b, d, lanes[0])
-            _nibble_lanes(p, y1a, y1b, d, lanes[1])
-            _nibble_lanes(p, y2a, y2b, d, lanes[2])
-            _nibble_lanes(p, y3a, y3b, d, lanes[3])
-            m = _i4_min(mins, scales, r, g, sym)
-            a0 += m * xs[0, g]
-            a1 += m * xs[i1, g]
-            a2 += m * xs[i2, g]
-            a3 += m * xs[i3, g]
-        out[0, r] = lane_sum(lanes[0]) + a0
-        out[1, r] = lane_sum(lanes[1]) + a1
-        if t > 2:
-            out[2, r] = lane_sum(lanes[2]) + a2
-        if t > 3:
-            out[3, r] = lane_sum(lanes[3]) + a3
+    for b in prange((n + SCRATCH_ROWS - 1) // SCRATCH_ROWS):
+        lanes = np.empty((4, h), np.float32)
+        for r in range(b * SCRATCH_ROWS, min(n, b * SCRATCH_ROWS + SCRATCH_ROWS)):
+            pr = packed[r]
+            sr = scales[r]
+            lanes[:, :] = 0
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for g in range(ng):
+                p = pr[g * h : g * h + h]
+                o = g * group
+                y0a = x0[o : o + h]
+                y0b = x0[o + h : o + group]
+                y1a = x1[o : o + h]
+                y1b = x1[o + h : o + group]
+                y2a = x2[o : o + h]
+                y2b = x2[o + h : o + group]
+                y3a = x3[o : o + h]
+                y3b = x3[o + h : o + group]
+                d = h2f(sr[g])
+                _nibble_lanes(p, y0a, y0b, d, lanes[0])
+                _nibble_lanes(p, y1a, y1b, d, lanes[1])
+                _nibble_lanes(p, y2a, y2b, d, lanes[2])
+                _nibble_lanes(p, y3a, y3b, d, lanes[3])
+                m = _i4_min(mins, scales, r, g, sym)
+                a0 += m * xs[0, g]
+                a1 += m * xs[i1, g]
+                a2 += m * xs[i2, g]
+                a3 += m * xs[i3, g]
+            out[0, r] = lane_sum(lanes[0]) + a0
+            out[1, r] = lane_sum(lanes[1]) + a1
+            if t > 2:
+                out[2, r] = lane_sum(lanes[2]) + a2
+            if t > 3:
+                out[3, r] = lane_sum(lanes[3]) + a3
 
 
 @njit(inline="always", **_JIT)
