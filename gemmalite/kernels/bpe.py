@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .common import EXACT
 
-@njit(inline="always", boundscheck=False)
+
+@njit(inline="always", **EXACT)
 def _rank(keys, ranks, a, b):  # pragma: no cover - compiled
     """The merge rank of the pair (a, b), or -1."""
     k = (np.int64(a) << 32) | np.int64(b)
@@ -22,7 +24,7 @@ def _rank(keys, ranks, a, b):  # pragma: no cover - compiled
     return np.int64(-1)
 
 
-@njit(inline="always", boundscheck=False)
+@njit(inline="always", **EXACT)
 def _push(heap, n, v):  # pragma: no cover - compiled
     i = n
     heap[i] = v
@@ -35,7 +37,7 @@ def _push(heap, n, v):  # pragma: no cover - compiled
     return n + 1
 
 
-@njit(inline="always", boundscheck=False)
+@njit(inline="always", **EXACT)
 def _pop(heap, n):  # pragma: no cover - compiled
     top = heap[0]
     n -= 1
@@ -53,7 +55,7 @@ def _pop(heap, n):  # pragma: no cover - compiled
     return top, n
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**EXACT)
 def bpe_merge(syms, starts, keys, ranks, new_ids, out):  # pragma: no cover - compiled
     """Merge each word ``syms[starts[w]:starts[w + 1]]`` (int32 token ids) and write the resulting
     ids, word after word, into ``out``; returns how many. ``keys`` sorted int64 pair keys,

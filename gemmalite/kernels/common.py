@@ -1,5 +1,6 @@
-"""What the kernels share: the host's SIMD features, the few-rows threshold, float16 decoding
-and nibble unpacking. Every kernel module reads these from here (tests patch them here)."""
+"""What the kernels share: their numba options, the host's SIMD features, the few-rows threshold,
+float16 decoding and nibble unpacking. Every kernel module reads these from here (tests patch them
+here)."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,21 @@ from numba.extending import intrinsic
 from ..settings import announce_first_compile
 
 announce_first_compile()  # one stderr line when this process first compiles a kernel (not a cache hit)
+
+# The numba options of every kernel, all stated: numba gives a function whose options leave one
+# unset its caller's (fastmath, error model, bounds checks), and the dispatcher then keeps that code
+# for later direct calls, so the code of a kernel would depend on which caller compiled it first.
+# EXACT: float operations as written (no fused multiply-add, no reordering).
+# FAST: fastmath without ``reassoc``. numba compiles a parallel kernel's body (and any function a
+# kernel calls) twice, the second time linked into the kernel and optimised again; a process that
+# compiled the kernel runs the first copy, one that loaded it from the disk cache the second.
+# With ``reassoc`` LLVM ordered a sum differently in the two, so results depended on whether the
+# process had compiled its kernels (see `fdot`, where the sums that need SIMD are written out).
+# ``contract`` (fused multiply-add) stays, but an addition in a FAST kernel takes at most one product
+# (``acc + a * b``, never ``a * b + c * d``): which of two products is fused is LLVM's choice, and
+# it too differed between the copies (scripts/audit_kernel_cache.py finds such cases).
+EXACT = dict(cache=True, error_model="numpy", boundscheck=False, fastmath=False)
+FAST = dict(EXACT, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 
 # Does the host have AVX2 (the 16-bit integer multiply-add the SIMD intrinsics emit)? Without
 # it, products take portable float numba kernels. Read at call time, so tests can force False.
@@ -147,10 +163,10 @@ def literal_ladder(signature: str, body: str, env: dict, **axes):
     name = signature.split("(")[0]
     ns = dict(env)
     exec(compile("\n".join(lines) + "\n", f"<literal_ladder {name}>", "exec"), ns)
-    return njit(inline="always")(ns[name])
+    return njit(inline="always", **dict(EXACT, cache=False))(ns[name])  # exec'd: no file to cache by
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def nibbles(byte):
     """(low, high) nibble of a byte as exact float32s, in float arithmetic: it vectorises to
     16 lanes, where numba's int64 integer ops take 8 (~15% faster decoding)."""

@@ -4,8 +4,8 @@ one decoder per block type, row gathers and fused few-row products.
 Numerics: every decoder reproduces the float32 operations of the reference dequantizers in
 ``gguf.quants`` (llama.cpp's ``dequantize_row_*``) bit for bit, e.g. Q4_K computes
 ``(d*sc)*q - (dmin*m)``. Decoders are compiled with ``fastmath=False`` (no FMA contraction, no
-reassociation), so the decoded weights are exact; only the float32 dot product (`_dot`)
-allows reassociation, which lets LLVM vectorise the sum.
+reassociation), so the decoded weights are exact; the float32 dot product (`_dot`) sums in
+vector lanes in `fdot`'s written-out order.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import numpy as np
 from numba import literally, njit, prange, types
 from numba.extending import overload
 
-from .common import TOKEN_TILE, among, either, h2f, literal_ladder, nibbles
+from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, nibbles
+from .fdot import dot_tile
 from .simd import block_row_dot
 
 QK_K = 256
@@ -76,18 +77,18 @@ def row_bytes(qtype, cols: int) -> int:
 W = 32
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _half(row, o):
     return h2f(np.uint16(np.int64(row[o]) | (np.int64(row[o + 1]) << 8)))
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _u32(row, o):
     return (np.int64(row[o]) | (np.int64(row[o + 1]) << 8)
             | (np.int64(row[o + 2]) << 16) | (np.int64(row[o + 3]) << 24))
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _legacy32(row, o, dst, do, n, has_min, has_high):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1: element j is the low nibble of qs[j], j+16 the high one;
     the 5-bit types take bit j of the 32-bit ``qh`` as bit 4. Without a min: d*(q - offset)."""
@@ -118,27 +119,27 @@ def _legacy32(row, o, dst, do, n, has_min, has_high):
             dst[do + half + j] = d * (q1 - off)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q4_0(row, b, dst, do, n):
     _legacy32(row, b * 18, dst, do, n, False, False)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q4_1(row, b, dst, do, n):
     _legacy32(row, b * 20, dst, do, n, True, False)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q5_0(row, b, dst, do, n):
     _legacy32(row, b * 22, dst, do, n, False, True)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q5_1(row, b, dst, do, n):
     _legacy32(row, b * 24, dst, do, n, True, True)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q8_0(row, b, dst, do, n):
     o = b * 34
     d = _half(row, o)
@@ -146,7 +147,7 @@ def dec_q8_0(row, b, dst, do, n):
         dst[do + i] = np.float32(np.int8(row[o + 2 + i])) * d
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _scale_min_k4(row, s, j):
     """6-bit scale and min of sub-block j from the 12 packed bytes at row[s:] (get_scale_min_k4)."""
     if j < 4:
@@ -156,7 +157,7 @@ def _scale_min_k4(row, s, j):
     return sc, mn
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _k4(row, o, dst, do, n, has_high):
     """Q4_K / Q5_K: 8 sub-blocks of 32, value (d*sc)*q - (dmin*m). Bytes 32c..32c+31 of qs hold
     sub-block 2c in the low nibbles, 2c+1 in the high ones; Q5_K's qh bit j is bit 4 of sub-block j."""
@@ -185,17 +186,17 @@ def _k4(row, o, dst, do, n, has_high):
             dst[base + 32 + l] = d1 * q1 - dm1
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q4_k(row, b, dst, do, n):
     _k4(row, b * 144, dst, do, n, False)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q5_k(row, b, dst, do, n):
     _k4(row, b * 176, dst, do, n, True)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _crumbs(byte):
     """The four 2-bit fields of a byte (bits 0-1, 2-3, 4-5, 6-7) as exact float32s."""
     v = np.float32(byte)
@@ -205,7 +206,7 @@ def _crumbs(byte):
     return v - np.float32(4.0) * t1, t1 - np.float32(4.0) * t2, t2 - np.float32(4.0) * c3, c3
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def dec_q6_k(row, b, dst, do, n):
     """Q6_K (dequantize_row_q6_K): two halves of 128. In half h, with a = ql[64h + l],
     b = ql[64h + 32 + l], c = qh[32h + l] (l < 32), elements l, l+32, l+64, l+96 take their low
@@ -242,7 +243,7 @@ _KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # `ki
 _DECODERS = (dec_q4_0, dec_q4_1, dec_q5_0, dec_q5_1, dec_q8_0, dec_q4_k, dec_q5_k, dec_q6_k)  # by `kind`
 
 
-@njit(cache=True)
+@njit(**EXACT)
 def _decode_row(kind, row, dst, bs, n):
     """Decode a whole row. ``kind`` is made a literal, so numba compiles one specialisation per
     block type, holding only that type's decoder (one compiled function that the gathers and
@@ -271,18 +272,14 @@ def _decode_blocks_impl(kind, row, dst, bs, n):
     return impl
 
 
-@njit(cache=True, fastmath={"reassoc"})
+@njit(inline="always", **EXACT)
 def _dot(a, b):
-    """float32 dot product. Only reassociation is allowed (no FMA contraction, no other
-    fast-math): it lets LLVM keep vector partial sums, i.e. float32 accumulation in a
-    different order, while the decoded weights stay exact (they are computed elsewhere)."""
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
+    """float32 dot product in `fdot`'s fixed order (vector partial sums written out, not left to
+    ``reassoc``); the decoded weights stay exact (they are computed elsewhere)."""
+    return dot_tile((a,), (b,))[0]
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def _matvec_rows(kind, raw, x, out, n, bs, r0, r1, buf):
     """Rows r0..r1 of out = x @ W.T: each weight row is decoded once into ``buf`` (L1/L2
     resident) and dotted with every x row."""
@@ -308,21 +305,21 @@ def make_kernels(name: str) -> _Kernels:
     kind = _KINDS.index(name)
     bs = block_info(name)[0]
 
-    @njit(cache=True)
+    @njit(**EXACT)
     def gather(raw, ids, out, n):
         """Serial on purpose: lookups are a few rows, and slabs for BLAS must not start a
         parallel region between BLAS calls (OpenBLAS's spinning workers make it crawl)."""
         for i in range(ids.shape[0]):
             _decode_row(kind, raw[ids[i]], out[i], bs, n)
 
-    @njit(parallel=True, cache=True)
+    @njit(parallel=True, **EXACT)
     def matvec(raw, x, out, n):
         n_rows = raw.shape[0]
         for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
             buf = np.empty(x.shape[1], np.float32)
             _matvec_rows(kind, raw, x, out, n, bs, c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK), buf)
 
-    @njit(cache=True)
+    @njit(**EXACT)
     def matvec_serial(raw, x, out, n):
         _matvec_rows(kind, raw, x, out, n, bs, 0, raw.shape[0], np.empty(x.shape[1], np.float32))
 
@@ -340,7 +337,7 @@ _block_rows = literal_ladder(
     B=either("q5", 5, 8), T=among("nt", 4, 3, 2, 1))
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
     sequences) on Q8_0 (``q5`` False) or Q5_0 blocks with int16 activations (W8A16, as gemmalite's

@@ -26,7 +26,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .common import among, bf2f, either, h2f, literal_ladder
+from .common import EXACT, FAST, among, bf2f, either, h2f, literal_ladder
 from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _vec
 
 CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps)
@@ -138,14 +138,14 @@ DP_TOKENS = 6  # tokens per vdpbf16ps tile (4 x 6 accumulators)
 TOKEN_BLOCK = 144  # at most this many tokens per pass over the weights (their activations stay in L2)
 
 
-@njit(inline="always")
+@njit(inline="always", **EXACT)
 def _block(t_all):  # pragma: no cover - compiled
     """Tokens per block: as even as TOKEN_BLOCK allows (128 tokens: one pass, not 126 + 2)."""
     nb = (t_all + TOKEN_BLOCK - 1) // TOKEN_BLOCK
     return (t_all + nb - 1) // max(nb, 1)
 
 
-@njit(inline="always")
+@njit(inline="always", **EXACT)
 def _tile_len(left, full):  # pragma: no cover - compiled
     """Tokens of the next tile: ``full`` ones, but the last two tiles share what is left evenly
     (8 tokens of 6-token tiles: 4 + 4, not 6 + 2)."""
@@ -156,10 +156,10 @@ def _tile_len(left, full):  # pragma: no cover - compiled
     return (left + 1) // 2
 
 
-@njit(boundscheck=False)
+@njit(**EXACT)
 def _tail(x, w, t, r, c0, bf16):  # pragma: no cover - compiled
-    """``sum_{c >= c0} x[t, c] * w[r, c]`` (the columns past the last CHUNK): no fastmath, so the
-    same roundings wherever it runs."""
+    """``sum_{c >= c0} x[t, c] * w[r, c]`` (the columns past the last CHUNK): no fastmath (stated:
+    left unset, numba would take the calling kernel's), so the same roundings wherever it runs."""
     s = np.float32(0.0)
     for c in range(c0, w.shape[1]):
         s += x[t, c] * (bf2f(w[r, c]) if bf16 else h2f(w[r, c]))
@@ -173,7 +173,7 @@ _f32_tile = literal_ladder(
     dict(half_rows_dot=half_rows_dot), B=either("bf16", 1, 0), R=either("four", 4, 1), T=among("nt", 3, 2, 1))
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def half_matmul(x, w, bf16, rows, out):  # pragma: no cover - compiled
     """``out = x @ float32(w).T`` for float32 ``x [T, C]`` and half bits ``w [R, C]`` (bfloat16 if
     ``bf16``, else float16): every token count, decode to prefill. Tiles of 4 rows x 3 tokens,
@@ -205,7 +205,7 @@ def half_matmul(x, w, bf16, rows, out):  # pragma: no cover - compiled
                         out[t, i] += _tail(x, w, t, i, main, bf16)
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
+@njit(inline="always", **FAST)
 def _dp_tile(w, xb, r, t0, nt, out, ncols, four):  # pragma: no cover - compiled
     """`bf16_dot_tile` for rows ``r .. r + 3`` (``four``) x ``nt`` (1-6) tokens, or row ``r``."""
     if not four:
@@ -225,7 +225,7 @@ def _dp_tile(w, xb, r, t0, nt, out, ncols, four):  # pragma: no cover - compiled
         bf16_dot_tile(w, xb, r, t0, out, ncols, 4, 1)
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def bf16_matmul(xb, w, out):  # pragma: no cover - compiled
     """``out = x @ w.T`` with ``vdpbf16ps`` (`bf16_dot_tile`): ``x`` as bfloat16 bits ``xb``, ``w``
     bfloat16 bits; `half_matmul`'s strips and token blocks, tiles of 4 rows x 6 tokens. A row's
@@ -257,7 +257,7 @@ def bf16_matmul(xb, w, out):  # pragma: no cover - compiled
                         out[t, i] += s
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@njit(parallel=True, **EXACT)
 def round_bf16(xbits, out):  # pragma: no cover - compiled
     """float32 values (their uint32 bits) -> bfloat16 bits, rounded to nearest even (NaN stays NaN)."""
     for t in prange(xbits.shape[0]):

@@ -1,93 +1,34 @@
 """numba kernels behind `ops` and the float matrices: norms, attention, few-row float products.
 
-Compiled once and cached on disk (``cache=True``); parallel over output rows on all cores.
+Compiled once and cached on disk (``cache=True``); parallel over output rows on all cores. Every
+float sum runs in an order fixed by the source (`fdot`), so a process that compiled these kernels and
+one that loaded them from the cache compute the same bits.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .common import bits_to_f32, prefetch
+from .common import EXACT, FAST, bits_to_f32, prefetch
+from .fdot import dot_tile, lane_sum, sum_squares64
 
 ROWS_PER_TASK = 64
 PREFETCH_STRIPS = 4  # matmul_tiles: 4-row strips ahead whose weights are prefetched
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
-def _tile4x4(x, w, out, ra, rb, rc, rd, ta, tb, tc, td):  # pragma: no cover - compiled
-    """Rows ``ra..rd`` x tokens ``ta..td`` of `matmul_tiles`: 16 accumulators per pass over c."""
-    a00 = a01 = a02 = a03 = np.float32(0.0)
-    a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = np.float32(0.0)
-    a30 = a31 = a32 = a33 = np.float32(0.0)
-    for c in range(w.shape[1]):
-        w0 = w[ra, c]
-        w1 = w[rb, c]
-        w2 = w[rc, c]
-        w3 = w[rd, c]
-        x0 = x[ta, c]
-        x1 = x[tb, c]
-        x2 = x[tc, c]
-        x3 = x[td, c]
-        a00 += w0 * x0
-        a01 += w0 * x1
-        a02 += w0 * x2
-        a03 += w0 * x3
-        a10 += w1 * x0
-        a11 += w1 * x1
-        a12 += w1 * x2
-        a13 += w1 * x3
-        a20 += w2 * x0
-        a21 += w2 * x1
-        a22 += w2 * x2
-        a23 += w2 * x3
-        a30 += w3 * x0
-        a31 += w3 * x1
-        a32 += w3 * x2
-        a33 += w3 * x3
-    out[ta, ra], out[tb, ra], out[tc, ra], out[td, ra] = a00, a01, a02, a03
-    out[ta, rb], out[tb, rb], out[tc, rb], out[td, rb] = a10, a11, a12, a13
-    out[ta, rc], out[tb, rc], out[tc, rc], out[td, rc] = a20, a21, a22, a23
-    out[ta, rd], out[tb, rd], out[tc, rd], out[td, rd] = a30, a31, a32, a33
+@njit(inline="always", **FAST)
+def _store(out, toks, rows, sums):  # pragma: no cover - compiled
+    """``out[toks[j], rows[i]] = sums[i * len(toks) + j]`` (`dot_tile`'s order, weight rows outer)."""
+    nt = len(toks)
+    for i in range(len(rows)):
+        for j in range(nt):
+            out[toks[j], rows[i]] = sums[i * nt + j]
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
-def _tile4x3(x, w, out, ra, rb, rc, rd, ta, tb, tc):  # pragma: no cover - compiled
-    """Rows ``ra..rd`` x tokens ``ta, tb, tc`` of `matmul_tiles`: 12 accumulators."""
-    a00 = a01 = a02 = np.float32(0.0)
-    a10 = a11 = a12 = np.float32(0.0)
-    a20 = a21 = a22 = np.float32(0.0)
-    a30 = a31 = a32 = np.float32(0.0)
-    for c in range(w.shape[1]):
-        w0 = w[ra, c]
-        w1 = w[rb, c]
-        w2 = w[rc, c]
-        w3 = w[rd, c]
-        x0 = x[ta, c]
-        x1 = x[tb, c]
-        x2 = x[tc, c]
-        a00 += w0 * x0
-        a01 += w0 * x1
-        a02 += w0 * x2
-        a10 += w1 * x0
-        a11 += w1 * x1
-        a12 += w1 * x2
-        a20 += w2 * x0
-        a21 += w2 * x1
-        a22 += w2 * x2
-        a30 += w3 * x0
-        a31 += w3 * x1
-        a32 += w3 * x2
-    out[ta, ra], out[tb, ra], out[tc, ra] = a00, a01, a02
-    out[ta, rb], out[tb, rb], out[tc, rb] = a10, a11, a12
-    out[ta, rc], out[tb, rc], out[tc, rc] = a20, a21, a22
-    out[ta, rd], out[tb, rd], out[tc, rd] = a30, a31, a32
-
-
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def matmul_tiles(x, w, out):  # pragma: no cover - compiled
     """out[t, r] = sum_c x[t, c] * w[r, c] for a short input (a query of a few dozen tokens):
-    tiles of 4 weight rows x 4 tokens (16 accumulators per pass over ``c``), so each float32
+    tiles of 4 weight rows x 4 tokens (`dot_tile`: 16 sums per pass over ``c``), so each float32
     weight is loaded once per 4 tokens and each x
     value once per 4 rows; a task is a 4-row strip against every token (x stays in L1/L2),
     the strip PREFETCH_STRIPS ahead prefetched. T not a multiple of 4 takes 1-3 tiles of 3
@@ -109,30 +50,29 @@ def matmul_tiles(x, w, out):  # pragma: no cover - compiled
         rb = min(ra + 1, R - 1)
         rc = min(ra + 2, R - 1)
         rd = min(ra + 3, R - 1)
+        rows = (ra, rb, rc, rd)
         for i in range(fours):
             ta = max(min(4 * i, T - 4), 0)
-            _tile4x4(x, w, out, ra, rb, rc, rd, ta, min(ta + 1, T - 1), min(ta + 2, T - 1), min(ta + 3, T - 1))
+            tb, tc, td = min(ta + 1, T - 1), min(ta + 2, T - 1), min(ta + 3, T - 1)
+            _store(out, (ta, tb, tc, td), rows, dot_tile((w[ra], w[rb], w[rc], w[rd]), (x[ta], x[tb], x[tc], x[td])))
         for i in range(threes):
             t0 = 4 * fours + 3 * i
-            _tile4x3(x, w, out, ra, rb, rc, rd, t0, t0 + 1, t0 + 2)
+            _store(out, (t0, t0 + 1, t0 + 2), rows, dot_tile((w[ra], w[rb], w[rc], w[rd]), (x[t0], x[t0 + 1], x[t0 + 2])))
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def f32_matmul_small(x, w, out):  # pragma: no cover - compiled
-    """out[t, r] = sum_c x[t, c] * w[r, c] for a few rows of x, each weight row read once.
+    """out[t, r] = sum_c x[t, c] * w[r, c] for a few rows of x, each weight row read once (one row
+    per task: a single stream per thread reads memory fastest), each sum as `matmul_tiles` takes
+    it (`dot_tile`).
     Decode runs every product on numba's threads: a BLAS call between numba kernels wakes
     OpenBLAS's workers, and the two pools then spin against each other on the two cores."""
-    R, C = w.shape
-    T = x.shape[0]
-    for r in prange(R):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for c in range(C):
-                acc += x[t, c] * w[r, c]
-            out[t, r] = acc
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            out[t, r] = dot_tile((w[r],), (x[t],))[0]
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**EXACT)
 def gelu_tanh_inner(a, t):  # pragma: no cover - compiled
     """``t = (a + 0.044715 a^3) * sqrt(2/pi)`` (flat, contiguous), numpy's order of float32
     operations (no fastmath: no fused multiply-add), so the bits are numpy's."""
@@ -147,7 +87,7 @@ def gelu_tanh_inner(a, t):  # pragma: no cover - compiled
         t1[i] = u * np.float32(0.7978845608028654)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**EXACT)
 def gelu_tanh_outer(a, b, t):  # pragma: no cover - compiled
     """``t = (t + 1) * a * 0.5 * b`` in place (flat, contiguous; ``t`` = tanh of the inner part)."""
     a1 = a.reshape(-1)
@@ -160,7 +100,7 @@ def gelu_tanh_outer(a, b, t):  # pragma: no cover - compiled
         t1[i] = u * b1[i]
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**EXACT)
 def rope_rows(x, cos, sin, out):  # pragma: no cover - compiled
     """Rotate-half RoPE over ``x [T, heads, D]`` with ``cos``/``sin`` ``[T, D/2]``: the numpy
     expression's products and sums in the same order (no fastmath: no fused multiply-add), so
@@ -178,23 +118,12 @@ def rope_rows(x, cos, sin, out):  # pragma: no cover - compiled
                 out[t, h, i + half] = b * c + a * s
 
 
-@njit(cache=True, fastmath=True, boundscheck=False)
-def sum_squares64(x):  # pragma: no cover - compiled
-    """sum(x^2) of a float32 row in float64, vectorised (fastmath here only: the sum's order is
-    free, float64 keeps it exact to far below float32's rounding; 4x a sequential sum)."""
-    s = 0.0
-    for c in range(x.shape[0]):
-        v = np.float64(x[c])
-        s += v * v
-    return s
-
-
-@njit(cache=True, boundscheck=False)
+@njit(**EXACT)
 def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
     """out = x / sqrt(mean(x^2) + eps) * w per row of 2-D ``x`` (``w`` empty: scale-free).
 
-    The mean of squares accumulates in float64 (at least as exact as torch's float32
-    reduction); the two multiplications round in float32 like transformers'."""
+    The mean of squares accumulates in float64 (`sum_squares64`: at least as exact as torch's
+    float32 reduction); the two multiplications round in float32 like transformers'."""
     rows, d = x.shape
     has_w = w.shape[0] > 0
     for r in range(rows):
@@ -208,7 +137,7 @@ def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
                 out[r, c] = x[r, c] * inv
 
 
-@njit(inline="always", cache=True, fastmath=True)
+@njit(inline="always", **FAST)
 def exp_nonpositive(x):  # pragma: no cover - compiled
     """``e^x`` for ``x <= 0`` (softmax after the max is taken out) in plain float arithmetic that
     vectorizes: numba calls a scalar libm ``exp`` (no SVML here). ``2^y = 2^n * 2^f`` with ``n``
@@ -230,10 +159,10 @@ def exp_nonpositive(x):  # pragma: no cover - compiled
     return e if y0 > np.float32(-126.0) else np.float32(0.0)
 
 
-@njit(inline="always", cache=True, fastmath=True, boundscheck=False)
+@njit(inline="always", **FAST)
 def softmax_row(row, scale):  # pragma: no cover - compiled
     """In place: ``softmax(scale * row)``; one pass for the max (eight running maxima: numba
-    leaves a single one scalar), one for ``exp`` and the sum, one to normalise."""
+    leaves a single one scalar), one for ``exp``, the sum (`lane_sum`), one to normalise."""
     n = row.shape[0]
     m = np.full(8, -np.inf, dtype=np.float32)
     for j0 in range(0, n - 7, 8):
@@ -244,24 +173,21 @@ def softmax_row(row, scale):  # pragma: no cover - compiled
     for j in range(n - n % 8, n):
         best = row[j] if row[j] > best else best  # noqa: FURB136
     best *= scale
-    tot = np.float32(0.0)
     for j in range(n):
-        e = exp_nonpositive(row[j] * scale - best)
-        row[j] = e
-        tot += e
-    inv = np.float32(1.0) / tot
+        row[j] = exp_nonpositive(row[j] * scale - best)
+    inv = np.float32(1.0) / lane_sum(row)
     for j in range(n):
         row[j] *= inv
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def softmax_rows(s, scale):  # pragma: no cover - compiled
     """`softmax_row` on each row of ``s [R, N]``, in parallel over rows."""
     for r in prange(s.shape[0]):
         softmax_row(s[r], scale)
 
 
-@njit(nogil=True, cache=True, fastmath=True, boundscheck=False)
+@njit(nogil=True, **FAST)
 def softmax_rows_serial(s, scale):  # pragma: no cover - compiled
     """`softmax_row` on each row of ``s [R, N]`` on the calling thread, without the GIL."""
     for r in range(s.shape[0]):
@@ -272,7 +198,7 @@ LOWEST = np.float32(-3e38)  # below every score; not -inf, which fastmath ("no i
 DECODE_BLOCK = 128  # key slots per task of the decode attention (fixed by slot index: see attention_decode)
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=True):  # pragma: no cover - compiled
     """Attention of a few rows over a sliding ring without BLAS: one task per (row, query head).
 
@@ -293,6 +219,7 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
         h = task % nq
         kh = h // g
         qp = q_pos[t]
+        qr = q[t, h]
         s = np.empty(N, np.float32)
         best = masked
         for j in range(N):
@@ -300,10 +227,7 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
             if not visible(kp, qp, window, causal):
                 s[j] = masked
             else:
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += q[t, h, d] * k[j, kh, d]
-                s[j] = acc * scale
+                s[j] = dot_tile((qr,), (k[j, kh],))[0] * scale
                 best = max(best, s[j])
         o = out[t, h * D : (h + 1) * D]
         o[:] = 0
@@ -319,7 +243,7 @@ def attention_rows(q, k, v, q_pos, k_pos, window, scale, masked, out, causal=Tru
             o[d] *= inv
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
+@njit(inline="always", **FAST)
 def _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, kh, b, part_m, part_l, part_o):  # pragma: no cover - compiled
     """One task of `attention_decode`: block ``b`` of KV head ``kh`` for every row and head of the group."""
     T, nq, D = q.shape
@@ -350,28 +274,27 @@ def _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, kh, b,
             seen = seen or vis[jj]
         if not seen:
             continue
-        for jj in range(nk):  # scores: each K row once for the group's heads
+        h0 = kh * g
+        for jj in range(nk):  # scores: each K row once for the group's heads, 4 heads per pass over D
             if vis[jj]:
                 kr = k[j0 + jj, kh]
-                for hg in range(g):
-                    qr = q[t, kh * g + hg]
-                    acc = np.float32(0.0)
-                    for d in range(D):
-                        acc += qr[d] * kr[d]
-                    s[hg, jj] = acc * scale
+                for hg in range(0, g, 4):  # heads past the group's last repeat it
+                    d4 = dot_tile((q[t, h0 + hg], q[t, h0 + min(hg + 1, g - 1)], q[t, h0 + min(hg + 2, g - 1)],
+                                   q[t, h0 + min(hg + 3, g - 1)]), (kr,))
+                    for i in range(min(4, g - hg)):
+                        s[hg + i, jj] = d4[i] * scale
         for hg in range(g):
             best = LOWEST
             for jj in range(nk):
                 if vis[jj] and s[hg, jj] > best:
                     best = s[hg, jj]
-            tot = np.float32(0.0)
-            for jj in range(nk):  # in slot order over the visible slots only
-                if vis[jj]:
+            for jj in range(DECODE_BLOCK):  # masked slots and slots past the end weigh 0: the sum never depends on them
+                e = np.float32(0.0)
+                if jj < nk and vis[jj]:
                     e = np.exp(s[hg, jj] - best)
-                    s[hg, jj] = e
-                    tot += e
+                s[hg, jj] = e
             part_m[kh, b, t, hg] = best
-            part_l[kh, b, t, hg] = tot
+            part_l[kh, b, t, hg] = lane_sum(s[hg])
         o = part_o[kh, b, t]
         o[:, :] = 0
         for jj in range(nk):  # weighted sum of V: each V row once for the group's heads
@@ -383,7 +306,7 @@ def _decode_block(q, k, v, q_pos, k_pos, window, scale, causal, qlo, qhi, kh, b,
                         o[hg, d] += e * vr[d]
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True, workers=1):  # pragma: no cover - compiled
     """Attention for a few query rows (decode steps) without BLAS, reading K and V once.
 
@@ -439,7 +362,7 @@ def attention_decode(q, k, v, q_pos, k_pos, window, scale, out, causal=True, wor
             o[d] *= inv
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", **EXACT)
 def visible(kp, qp, window, causal):  # pragma: no cover - compiled
     """May a query at position ``qp`` see the key at ``kp`` (-1: an empty slot)? Causal: not after
     it and (``window`` > 0) within the last ``window`` positions; bidirectional: within a radius."""
@@ -450,50 +373,11 @@ def visible(kp, qp, window, causal):  # pragma: no cover - compiled
     return window <= 0 or abs(kp - qp) <= window
 
 
-@njit(inline="always", fastmath=True, boundscheck=False)
-def _scores4x4(qa, qb, qc, qd, ka, kb, kc, kd, scale, s, r0, jj):  # pragma: no cover - compiled
-    """``s[r0 + i, jj + c] = scale * q_i . k_c`` for 4 query rows x 4 keys: 16 sums per pass over
-    the head dim, 8 loads per 16 multiply-adds (``s`` has room for 4 rows and 4 keys past them)."""
-    a00 = a01 = a02 = a03 = np.float32(0.0)
-    a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = np.float32(0.0)
-    a30 = a31 = a32 = a33 = np.float32(0.0)
-    for d in range(qa.shape[0]):
-        x0 = qa[d]
-        x1 = qb[d]
-        x2 = qc[d]
-        x3 = qd[d]
-        y0 = ka[d]
-        y1 = kb[d]
-        y2 = kc[d]
-        y3 = kd[d]
-        a00 += x0 * y0
-        a01 += x0 * y1
-        a02 += x0 * y2
-        a03 += x0 * y3
-        a10 += x1 * y0
-        a11 += x1 * y1
-        a12 += x1 * y2
-        a13 += x1 * y3
-        a20 += x2 * y0
-        a21 += x2 * y1
-        a22 += x2 * y2
-        a23 += x2 * y3
-        a30 += x3 * y0
-        a31 += x3 * y1
-        a32 += x3 * y2
-        a33 += x3 * y3
-    s[r0, jj], s[r0, jj + 1], s[r0, jj + 2], s[r0, jj + 3] = a00 * scale, a01 * scale, a02 * scale, a03 * scale
-    s[r0 + 1, jj], s[r0 + 1, jj + 1], s[r0 + 1, jj + 2], s[r0 + 1, jj + 3] = a10 * scale, a11 * scale, a12 * scale, a13 * scale
-    s[r0 + 2, jj], s[r0 + 2, jj + 1], s[r0 + 2, jj + 2], s[r0 + 2, jj + 3] = a20 * scale, a21 * scale, a22 * scale, a23 * scale
-    s[r0 + 3, jj], s[r0 + 3, jj + 1], s[r0 + 3, jj + 2], s[r0 + 3, jj + 3] = a30 * scale, a31 * scale, a32 * scale, a33 * scale
-
-
 KEY_BLOCK = 64  # keys per block of the blocked attention (one block of K/V stays in L1/L2)
 QUERY_ROWS = 16  # query rows per task of the blocked attention (they share each K/V block; a multiple of 4)
 
 
-@njit(cache=True, boundscheck=False)
+@njit(**EXACT)
 def key_block_bounds(k_pos, out_min, out_max):  # pragma: no cover - compiled
     """Lowest and highest valid position per KEY_BLOCK keys (max -1: an empty block)."""
     n = k_pos.shape[0]
@@ -509,14 +393,16 @@ def key_block_bounds(k_pos, out_min, out_max):  # pragma: no cover - compiled
         out_max[b] = hi
 
 
-@njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
+@njit(parallel=True, **FAST)
 def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, out, causal=True):  # pragma: no cover - compiled
     """Attention of any length without BLAS: blocked over keys with an online softmax.
 
     One task per (QUERY_ROWS query rows, query head); keys go by KEY_BLOCK, and a block
     that no query of the task may see (by the positions in ``blk_min`` / ``blk_max``) is
     skipped, so a sliding layer costs O(T x window) whatever the order of the ring's slots.
-    Four query rows share each load of K and V. Scratch is O(QUERY_ROWS x D) per task:
+    Four query rows share each load of K and V (scores: `dot_tile`; a block's sum of exponentials:
+    `lane_sum`, masked keys at 0, so a row's result depends on no other row). Scratch is
+    O(QUERY_ROWS x D) per task:
     memory stays flat on long prompts. Same visibility rule as `attention_rows` (``window``
     0: none); a query that sees no key gets zeros (never in the engine: it sees itself)."""
     T, nq, D = q.shape
@@ -550,14 +436,19 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                 continue
             j0 = kb * KEY_BLOCK
             nk = min(N, j0 + KEY_BLOCK) - j0
+            for jj in range(nk, KEY_BLOCK):
+                vm[jj] = False
             for r0 in range(0, nr, 4):  # scores: 4 rows x 4 keys per pass over D (rows / keys past the end repeat the last)
                 qa = q[t0 + r0, h]
                 qb = q[t0 + min(r0 + 1, nr - 1), h]
                 qc = q[t0 + min(r0 + 2, nr - 1), h]
                 qd = q[t0 + min(r0 + 3, nr - 1), h]
-                for jj in range(0, nk, 4):
-                    _scores4x4(qa, qb, qc, qd, k[j0 + jj, kh], k[j0 + min(jj + 1, nk - 1), kh],
-                               k[j0 + min(jj + 2, nk - 1), kh], k[j0 + min(jj + 3, nk - 1), kh], scale, s, r0, jj)
+                for jj in range(0, nk, 4):  # (``s`` has room for 4 rows and 4 keys past them)
+                    d = dot_tile((qa, qb, qc, qd), (k[j0 + jj, kh], k[j0 + min(jj + 1, nk - 1), kh],
+                                                    k[j0 + min(jj + 2, nk - 1), kh], k[j0 + min(jj + 3, nk - 1), kh]))
+                    for i in range(4):
+                        for c in range(4):
+                            s[r0 + i, jj + c] = d[4 * i + c] * scale
             for r in range(nr):  # mask, online softmax: rescale what came before if the max grew
                 qp = q_pos[t0 + r]
                 for jj in range(nk):
@@ -579,13 +470,10 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                         acc[r, d] *= c
                     m[r] = best
                 mr = m[r]
-                add = np.float32(0.0)
-                for jj in range(nk):  # branch-free: vectorised exp (exp_nonpositive) and select
+                for jj in range(KEY_BLOCK):  # branch-free: vectorised exp (exp_nonpositive) and select
                     e = exp_nonpositive(s[r, jj] - mr)
-                    e = e if vm[jj] else np.float32(0.0)
-                    s[r, jj] = e
-                    add += e
-                tot[r] += add
+                    s[r, jj] = e if vm[jj] else np.float32(0.0)
+                tot[r] += lane_sum(s[r])  # keys past the end weigh 0: the sum never depends on nk
             for r in range(nr, QUERY_ROWS):  # rows past the end weigh nothing
                 for jj in range(nk):
                     s[r, jj] = 0
@@ -617,15 +505,15 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                     if (p00 + p01 + p02 + p03 + p10 + p11 + p12 + p13 + p20 + p21 + p22 + p23
                             + p30 + p31 + p32 + p33) == 0:
                         continue
-                    for d in range(D):
+                    for d in range(D):  # a chain from the sum so far: four fused multiply-adds each
                         va = v[ja, kh, d]
                         vb = v[jb, kh, d]
                         vc = v[jc, kh, d]
                         vd = v[jd, kh, d]
-                        acc[r0, d] += p00 * va + p01 * vb + p02 * vc + p03 * vd
-                        acc[r0 + 1, d] += p10 * va + p11 * vb + p12 * vc + p13 * vd
-                        acc[r0 + 2, d] += p20 * va + p21 * vb + p22 * vc + p23 * vd
-                        acc[r0 + 3, d] += p30 * va + p31 * vb + p32 * vc + p33 * vd
+                        acc[r0, d] = (((acc[r0, d] + p00 * va) + p01 * vb) + p02 * vc) + p03 * vd
+                        acc[r0 + 1, d] = (((acc[r0 + 1, d] + p10 * va) + p11 * vb) + p12 * vc) + p13 * vd
+                        acc[r0 + 2, d] = (((acc[r0 + 2, d] + p20 * va) + p21 * vb) + p22 * vc) + p23 * vd
+                        acc[r0 + 3, d] = (((acc[r0 + 3, d] + p30 * va) + p31 * vb) + p32 * vc) + p33 * vd
         for r in range(nr):
             inv = np.float32(1.0) / tot[r] if tot[r] > 0 else np.float32(0.0)
             for d in range(D):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import TOKEN_TILE, among, either, h2f, literal_ladder, nibbles, prefetch
+from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, nibbles, prefetch
+from .fdot import dot_tile, lane_sum
 from .simd import TILE_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
 
-_JIT = dict(cache=True, error_model="numpy", boundscheck=False)
-_FAST = dict(_JIT, fastmath=True)
+_JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
 
 
 # --------------------------------------------------------------------------- int8 kernels
@@ -39,81 +39,38 @@ def i8_quantize(w, q, scale):
 
 @njit(parallel=True, **_FAST)
 def i8_mv1(q, scale, x, out):
-    """out[0, r] = scale[r] * sum_k q[r, k] * x[0, k]."""
-    n, k = q.shape
-    x0 = x[0]
-    for r in prange(n):
-        qr = q[r]
-        acc = np.float32(0.0)
-        for j in range(k):
-            acc += np.float32(qr[j]) * x0[j]
-        out[0, r] = acc * scale[r]
-
-
-@njit(parallel=True, **_FAST)
-def i8_mv1_rows4(q, scale, x, out):
-    """T=1 for long rows (in >= LONG_ROW): four rows share each load of x. With a row of
-    6144-12288 values x no longer fits in L1, and re-reading it per row halved the bandwidth
-    (down projections: 13 -> 22 GB/s)."""
-    n, k = q.shape
+    """out[0, r] = scale[r] * sum_k q[r, k] * x[0, k]: four rows share each load of x (rows past
+    the end repeat the last), each row's sum its own (`dot_tile`)."""
+    n = q.shape[0]
     x0 = x[0]
     for g in prange((n + 3) // 4):
         r = 4 * g
-        if r + 4 <= n:
-            q0 = q[r]
-            q1 = q[r + 1]
-            q2 = q[r + 2]
-            q3 = q[r + 3]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            for j in range(k):
-                xj = x0[j]
-                a0 += np.float32(q0[j]) * xj
-                a1 += np.float32(q1[j]) * xj
-                a2 += np.float32(q2[j]) * xj
-                a3 += np.float32(q3[j]) * xj
-            out[0, r] = a0 * scale[r]
-            out[0, r + 1] = a1 * scale[r + 1]
-            out[0, r + 2] = a2 * scale[r + 2]
-            out[0, r + 3] = a3 * scale[r + 3]
-        else:
-            for rr in range(r, n):
-                a = np.float32(0.0)
-                for j in range(k):
-                    a += np.float32(q[rr, j]) * x0[j]
-                out[0, rr] = a * scale[rr]
+        rb, rc, rd = min(r + 1, n - 1), min(r + 2, n - 1), min(r + 3, n - 1)
+        s = dot_tile((x0,), (q[r], q[rb], q[rc], q[rd]))
+        out[0, r] = s[0] * scale[r]
+        out[0, rb] = s[1] * scale[rb]
+        out[0, rc] = s[2] * scale[rc]
+        out[0, rd] = s[3] * scale[rd]
 
 
 @njit(parallel=True, **_FAST)
 def i8_mv4(q, scale, x, out):
-    """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last)."""
-    n, k = q.shape
+    """2 <= T <= 4 columns in one pass over the weights (rows of x past T-1 repeat the last), each
+    row's sum as `i8_mv1`'s (`dot_tile`)."""
     t = x.shape[0]
     x0 = x[0]
     x1 = x[min(1, t - 1)]
     x2 = x[min(2, t - 1)]
     x3 = x[min(3, t - 1)]
-    for r in prange(n):
-        qr = q[r]
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for j in range(k):
-            w = np.float32(qr[j])
-            a0 += w * x0[j]
-            a1 += w * x1[j]
-            a2 += w * x2[j]
-            a3 += w * x3[j]
+    for r in prange(q.shape[0]):
+        a = dot_tile((x0, x1, x2, x3), (q[r],))
         s = scale[r]
-        out[0, r] = a0 * s
-        out[1, r] = a1 * s
+        out[0, r] = a[0] * s
+        out[1, r] = a[1] * s
         if t > 2:
-            out[2, r] = a2 * s
+            out[2, r] = a[2] * s
         if t > 3:
-            out[3, r] = a3 * s
+            out[3, r] = a[3] * s
 
 
 
@@ -266,7 +223,7 @@ def i8_dequant_ids(q, scale, ids, out):
 # --------------------------------------------------------------------------- int4 kernels
 
 
-@njit(**_FAST)
+@njit(**_JIT)
 def fit_group(v, wt, nq):
     """Weighted least-squares (scale, min) for one group, v ~ d * n + m, n in 0..15."""
     lo = v.min()
@@ -378,6 +335,20 @@ def _i4_min(mins, scales, r, g, sym):
     return np.float32(-8.0) * h2f(scales[r, g]) if sym else h2f(mins[r, g])
 
 
+SCRATCH_ROWS = 64  # rows per task of the kernels below that need a scratch row (one allocation per task)
+
+
+@njit(inline="always", **_FAST)
+def _nibble_lanes(p, xa, xb, d, lanes):  # pragma: no cover - compiled
+    """``lanes[j] += d lo_j xa[j] + d hi_j xb[j]`` for the bytes ``p`` of one group: a partial sum
+    per byte position across the groups (vectorised, no reordering), `lane_sum`'d at the end. Each
+    addition takes one product (`common.FAST`: which of two products a fused multiply-add takes
+    is LLVM's choice, and it chose differently in the two compiled copies)."""
+    for j in range(p.shape[0]):
+        lo, hi = nibbles(p[j])
+        lanes[j] = (lanes[j] + (d * lo) * xa[j]) + (d * hi) * xb[j]
+
+
 @njit(parallel=True, **_FAST)
 def i4_mv1(packed, scales, mins, x, xs, group, out, sym=False):
     """out[0, r] = sum_g d_g * sum_j n_j x_j + m_g * sum_g(x)."""
@@ -386,20 +357,18 @@ def i4_mv1(packed, scales, mins, x, xs, group, out, sym=False):
     h = group // 2
     x0 = x[0]
     xs0 = xs[0]
-    for r in prange(n):
-        pr = packed[r]
-        sr = scales[r]
-        acc = np.float32(0.0)
-        for g in range(ng):
-            p = pr[g * h : g * h + h]
-            xa = x0[g * group : g * group + h]
-            xb = x0[g * group + h : g * group + group]
-            s = np.float32(0.0)
-            for j in range(h):
-                lo, hi = nibbles(p[j])
-                s += lo * xa[j] + hi * xb[j]
-            acc += h2f(sr[g]) * s + _i4_min(mins, scales, r, g, sym) * xs0[g]
-        out[0, r] = acc
+    for b in prange((n + SCRATCH_ROWS - 1) // SCRATCH_ROWS):
+        lanes = np.empty(h, np.float32)
+        for r in range(b * SCRATCH_ROWS, min(n, b * SCRATCH_ROWS + SCRATCH_ROWS)):
+            pr = packed[r]
+            sr = scales[r]
+            lanes[:] = 0
+            m = np.float32(0.0)
+            for g in range(ng):
+                _nibble_lanes(pr[g * h : g * h + h], x0[g * group : g * group + h],
+                              x0[g * group + h : g * group + group], h2f(sr[g]), lanes)
+                m += _i4_min(mins, scales, r, g, sym) * xs0[g]
+            out[0, r] = lane_sum(lanes) + m
 
 
 # `int4_rows_dot` on rows ``r .. r+3`` (``four``) or row ``r``, tokens ``t0 .. t0+nt-1`` (``nt`` 1..4), with
@@ -428,12 +397,16 @@ def i4_mvn_w4a16(packed, scales, mins, xq, xd, xs, group, rows_per_task, out):
             else:
                 for i in range(r, r1):
                     _i4_tile(packed, scales, xq, xd, i, t0, nt, out, group, False)
-        for t in range(t_all):
-            for i in range(r, r1):
-                m = np.float32(0.0)
-                for g in range(scales.shape[1]):
-                    m += h2f(mins[i, g]) * xs[t, g]
-                out[t, i] += m
+    for b in prange((n + SCRATCH_ROWS - 1) // SCRATCH_ROWS):  # + sum_g m_g xs[t, g]; a row's mins in float32 first
+        mrow = np.empty(scales.shape[1], np.float32)
+        for i in range(b * SCRATCH_ROWS, min(n, b * SCRATCH_ROWS + SCRATCH_ROWS)):
+            for g in range(scales.shape[1]):
+                mrow[g] = h2f(mins[i, g])
+            for t0 in range(0, t_all, 4):  # four tokens per pass (past the last, it repeats): 16 lanes each
+                s4 = dot_tile((xs[t0], xs[min(t0 + 1, t_all - 1)], xs[min(t0 + 2, t_all - 1)],
+                               xs[min(t0 + 3, t_all - 1)]), (mrow,))
+                for j in range(min(4, t_all - t0)):
+                    out[t0 + j, i] += s4[j]
 
 
 @njit(parallel=True, **_FAST)
@@ -450,46 +423,43 @@ def i4_mv4(packed, scales, mins, x, xs, group, out, sym=False):
     x1 = x[i1]
     x2 = x[i2]
     x3 = x[i3]
-    for r in prange(n):
-        pr = packed[r]
-        sr = scales[r]
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for g in range(ng):
-            p = pr[g * h : g * h + h]
-            o = g * group
-            y0a = x0[o : o + h]
-            y0b = x0[o + h : o + group]
-            y1a = x1[o : o + h]
-            y1b = x1[o + h : o + group]
-            y2a = x2[o : o + h]
-            y2b = x2[o + h : o + group]
-            y3a = x3[o : o + h]
-            y3b = x3[o + h : o + group]
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            for j in range(h):
-                lo, hi = nibbles(p[j])
-                s0 += lo * y0a[j] + hi * y0b[j]
-                s1 += lo * y1a[j] + hi * y1b[j]
-                s2 += lo * y2a[j] + hi * y2b[j]
-                s3 += lo * y3a[j] + hi * y3b[j]
-            d = h2f(sr[g])
-            m = _i4_min(mins, scales, r, g, sym)
-            a0 += d * s0 + m * xs[0, g]
-            a1 += d * s1 + m * xs[i1, g]
-            a2 += d * s2 + m * xs[i2, g]
-            a3 += d * s3 + m * xs[i3, g]
-        out[0, r] = a0
-        out[1, r] = a1
-        if t > 2:
-            out[2, r] = a2
-        if t > 3:
-            out[3, r] = a3
+    for b in prange((n + SCRATCH_ROWS - 1) // SCRATCH_ROWS):
+        lanes = np.empty((4, h), np.float32)
+        for r in range(b * SCRATCH_ROWS, min(n, b * SCRATCH_ROWS + SCRATCH_ROWS)):
+            pr = packed[r]
+            sr = scales[r]
+            lanes[:, :] = 0
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for g in range(ng):
+                p = pr[g * h : g * h + h]
+                o = g * group
+                y0a = x0[o : o + h]
+                y0b = x0[o + h : o + group]
+                y1a = x1[o : o + h]
+                y1b = x1[o + h : o + group]
+                y2a = x2[o : o + h]
+                y2b = x2[o + h : o + group]
+                y3a = x3[o : o + h]
+                y3b = x3[o + h : o + group]
+                d = h2f(sr[g])
+                _nibble_lanes(p, y0a, y0b, d, lanes[0])
+                _nibble_lanes(p, y1a, y1b, d, lanes[1])
+                _nibble_lanes(p, y2a, y2b, d, lanes[2])
+                _nibble_lanes(p, y3a, y3b, d, lanes[3])
+                m = _i4_min(mins, scales, r, g, sym)
+                a0 += m * xs[0, g]
+                a1 += m * xs[i1, g]
+                a2 += m * xs[i2, g]
+                a3 += m * xs[i3, g]
+            out[0, r] = lane_sum(lanes[0]) + a0
+            out[1, r] = lane_sum(lanes[1]) + a1
+            if t > 2:
+                out[2, r] = lane_sum(lanes[2]) + a2
+            if t > 3:
+                out[3, r] = lane_sum(lanes[3]) + a3
 
 
 @njit(inline="always", **_JIT)

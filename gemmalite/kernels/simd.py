@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .common import half_to_f32_ir
+from .common import FAST, half_to_f32_ir
 
 __all__ = ["int16_activation_rows", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
            "u8_tile_dot", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
@@ -29,7 +29,7 @@ _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir
                                ir.FloatType())
 
 
-@njit(cache=True, error_model="numpy", boundscheck=False, fastmath=True)
+@njit(**FAST)
 def round_int16(x, group, xq, xd, xs):  # pragma: no cover - compiled
     """One activation row -> int16 per group of ``group`` (scale ``xd`` = max|x| / 32767, round to
     nearest) plus the exact float32 group sums ``xs``. Rounding error <= xd / 2 per value.

@@ -26,7 +26,7 @@ import numpy as np
 from ..kernels import common
 from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, block_mvn_w8a16, row_bytes, type_name
 from ..kernels.simd import int16_activation_rows
-from .matrix import BF16, Matrix
+from .matrix import BF16, Matrix, Prepared, as_matrix
 
 # The fused kernel is used for T <= FEW_ROWS input rows always, and up to FUSED_MAX_T rows while
 # x (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
@@ -58,7 +58,10 @@ class GGMLMatrix(Matrix):
     """A weight ``[rows, cols]`` kept as GGML blocks (e.g. a memory-mapped GGUF tensor).
 
     ``raw`` is uint8 with ``rows * row_bytes`` bytes (any shape; it is viewed as
-    ``[rows, row_bytes]`` without copying). Float types (F32/F16/BF16) are served by numpy.
+    ``[rows, row_bytes]`` without copying). Float types (F32/F16/BF16) take the products of the
+    `Matrix` a checkpoint folder's tensor of that dtype becomes (`as_matrix`: `F32Matrix`,
+    `HalfMatrix`) on a view of the same bytes, so a GGUF converted from a folder computes the
+    folder's numbers bit for bit, whatever the number of rows.
     """
 
     def __init__(self, raw: np.ndarray, qtype, shape: tuple[int, int]):
@@ -74,9 +77,11 @@ class GGMLMatrix(Matrix):
         self.raw = raw.reshape(rows, rb)
         self.raw.flags.writeable = False  # one compiled specialisation (GGUF memmaps are read-only)
         self.block_size = block_info(self.qtype)[0]
+        self._float: Matrix | None = None
         if self.qtype in FLOAT_TYPES:
             self._w = _float_rows(self.raw, self.qtype, cols)
             self._k = None
+            self._float = as_matrix(self._w, keep_half=True)
         else:
             self._w = None
             self._k = KERNELS[self.qtype]
@@ -91,6 +96,17 @@ class GGMLMatrix(Matrix):
     @property
     def nbytes(self) -> int:
         return self.raw.nbytes
+
+    @property
+    def uses_blas(self) -> bool:  # type: ignore[override]
+        return self._float.uses_blas if self._float is not None else True
+
+    @property
+    def independent_rows(self) -> bool:  # type: ignore[override]
+        return self._float.independent_rows if self._float is not None else False
+
+    def uses_blas_for(self, rows: int) -> bool:
+        return self._float.uses_blas_for(rows) if self._float is not None else super().uses_blas_for(rows)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -110,8 +126,8 @@ class GGMLMatrix(Matrix):
         if x2.ndim != 2 or x2.shape[1] != self.shape[1]:
             raise ValueError(f"matmul: x has shape {x.shape}, {self!r} needs [T, {self.shape[1]}]")
         n_t = x2.shape[0]
-        if self.qtype == "F32":
-            out = x2 @ self._w.T
+        if self._float is not None:
+            out = self._float.matmul(x2)
         elif self._int16_rows() and 1 <= n_t <= common.FEW_ROWS:
             out = self._rows_w8a16(x2)
         elif self._k is not None and self._fused(n_t):
@@ -124,11 +140,22 @@ class GGMLMatrix(Matrix):
 
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if self._float is not None:
+            return self._float.matmul_each(x)
         if self._int16_rows():
             return self._rows_w8a16(x)
         if self._k is not None:  # the fused kernel computes each row as it computes one
             return self._each_in_chunks(x, common.FEW_ROWS)
         return super().matmul_each(x)
+
+    def matmul_alike(self, x: np.ndarray) -> np.ndarray:
+        return self._float.matmul_alike(x) if self._float is not None else super().matmul_alike(x)
+
+    def prepare(self, x: np.ndarray) -> np.ndarray | Prepared:
+        return self._float.prepare(x) if self._float is not None else super().prepare(x)
+
+    def matmul_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
+        return self._float.matmul_prepared(p) if self._float is not None else super().matmul_prepared(p)
 
     def _int16_rows(self) -> bool:
         return self.qtype in ("Q8_0", "Q5_0") and common.HAVE_AVX2
@@ -151,10 +178,7 @@ class GGMLMatrix(Matrix):
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             blk = slab[: r1 - r0]
-            if self._w is not None:
-                blk[:] = self._w[r0:r1]
-            else:
-                self._k.gather(self.raw, np.arange(r0, r1), blk, W)
+            self._k.gather(self.raw, np.arange(r0, r1), blk, W)
             out[:, r0:r1] = x @ blk.T
         return out
 

@@ -82,7 +82,6 @@ from ..kernels.quant import (
     i8_mm_w8a8,
     i8_mm_w8a16,
     i8_mv1,
-    i8_mv1_rows4,
     i8_mv4,
     i8_mvn_w8a16,
     i8_quantize,
@@ -96,7 +95,6 @@ __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 
 TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
-LONG_ROW = 4096  # int8 rows at least this long use the 4-rows-at-a-time decode kernel
 LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only the 12288-wide down projections
 # gain while the weight stream bounds the step). Several activation rows (a batch of sequences) go in
 # tiles of up to 4 of them per weight row, which widen each weight once and sum each row's groups on
@@ -232,7 +230,7 @@ class Int8Matrix(_Quantized):
             return self._rows_w8a16(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 1:
-            (i8_mv1_rows4 if self.shape[1] >= LONG_ROW else i8_mv1)(self.q, self.scale, x, out)
+            i8_mv1(self.q, self.scale, x, out)
         elif t > 1:
             i8_mv4(self.q, self.scale, x, out)
         return out

@@ -92,3 +92,77 @@ def test_four_threads(ckpt, tmp_path):
     for quant in QUANTS:
         for key in (f"{quant}-{t}{alone}" for t in (1, 2, 4) for alone in ("", "-alone")):
             np.testing.assert_array_equal(got[key], got[f"{quant}-1"], err_msg=key)
+
+
+
+RUNS = """
+import numpy as np
+from gemmalite import load, load_embedder
+
+
+def run(eg2_dirs, dec_dir, order):
+    rng = np.random.RandomState(4)
+    seqs = [rng.randint(5, 512, size=n) for n in (1, 2, 3, 4, 5, 17, 40, 90)]
+    prompt = rng.randint(5, 500, size=130)  # past a key block of the prefill and of the decode attention
+    res = {}
+
+    def embed():
+        for i, path in enumerate(eg2_dirs):
+            for quant in (None, "int8"):
+                emb = load_embedder(path, quant=quant, threads=2)
+                res[f"embed{i}-{quant}"] = emb.embed_ids(seqs, batch_size=32)
+                res[f"embed{i}-{quant}-alone"] = np.concatenate([emb.embed_ids([s]) for s in seqs])
+
+    def decode():
+        for quant in (None, "int8"):
+            m = load(dec_dir, quant=quant, threads=2, context=192)
+            state = m.new_state()
+            rows = [m.engine.logits(m.engine.prefill(state, prompt))[0]]
+            for tok in (7, 300, 41, 9):  # decode steps: the sliding-ring and full-context attention kernels
+                rows.append(m.engine.decode_step(state, tok))
+            res[f"decode-{quant}"] = np.stack(rows)
+
+    for part in order.split(","):
+        {"embed": embed, "decode": decode}[part]()
+    return res
+"""
+ACROSS = RUNS + """
+import sys
+np.savez(sys.argv[3], **run(sys.argv[1].split(","), sys.argv[2], sys.argv[4]))
+"""
+
+
+def test_compiled_equals_cached(tmp_path):
+    """numba compiles a parallel kernel's body twice (once alone, once linked into the kernel); a
+    process that compiles runs the first copy, one that loads numba's disk cache the second
+    (`kernels.fdot`). Three processes share a fresh cache folder: the first compiles every kernel,
+    the second loads them all, the third too but runs the decoder before the embedder (another call
+    history). Float and int8 embeddings (alone and batched, two widths) and decoder logits (prefill
+    and decode steps; bfloat16 weights as stored, and int8) are equal bit for bit across the three,
+    and to this process's own."""
+    from small_checkpoint import write_small_checkpoint
+
+    eg2 = []
+    for name, kw in (("wide", WIDE), ("narrow", NARROW)):
+        eg2.append(tmp_path / name)
+        o.make_eg2_checkpoint(eg2[-1], seed=2, gentle=True, tokenizer=None, **kw)
+    dec = write_small_checkpoint(tmp_path / "dec")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    root = Path(__file__).resolve().parents[2]
+    runs = {}
+    for name, order in (("compiles", "embed,decode"), ("loads", "embed,decode"), ("loads-other-order", "decode,embed")):
+        p = subprocess.run([sys.executable, "-c", ACROSS, ",".join(map(str, eg2)), str(dec), str(tmp_path / name),
+                            order], env=env, cwd=root, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-3000:]
+        # gemmalite says so on stderr when a process first compiles a kernel instead of loading it
+        assert ("preparing kernels" in p.stderr) == (name == "compiles"), (name, p.stderr[-3000:])
+        runs[name] = np.load(tmp_path / f"{name}.npz")
+    ref = runs["compiles"]
+    assert sorted(ref.files) == sorted([f"embed{i}-{q}{a}" for i in (0, 1) for q in (None, "int8") for a in ("", "-alone")]
+                                       + ["decode-None", "decode-int8"])
+    ns: dict = {}
+    exec(RUNS, ns)
+    runs["this process"] = ns["run"](eg2, dec, "embed,decode")
+    for name in ("loads", "loads-other-order", "this process"):
+        for key in ref.files:
+            np.testing.assert_array_equal(runs[name][key], ref[key], err_msg=f"{name}: {key}")

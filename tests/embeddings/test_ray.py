@@ -29,9 +29,7 @@ def test_ray_data_equals_single_process(tmp_path):
     assert [r["text"] for r in rows] == texts
     got = np.stack([r["embedding"] for r in rows])
     ref = load_embedder(tmp_path).embed(texts, prompt_name="Document")
-    # Within one process a text's vector is exact whatever the batch and the threads
-    # (tests/embeddings/test_determinism.py). Across processes (Ray's actors against this one) float
-    # vectors still differ by up to ~1e-7 (8.9e-8 measured in a CI run): an open defect of issue 23
-    # item 2, cause not yet found (suspected: numba reusing a compatible compiled signature, so the
-    # code that runs depends on the process's call history). Until it is fixed, the bound main had.
-    np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
+    # Bit for bit, although Ray's actors are other processes that compiled or loaded the kernels on
+    # their own: every float sum of the kernels is ordered by their source, not by which compiled
+    # copy of a kernel a process runs (kernels.fdot; test_determinism.test_compiled_equals_cached).
+    np.testing.assert_array_equal(got, ref)

@@ -91,22 +91,26 @@ def test_tensors_config_and_tokenizer_are_the_folders(converted, gl):
 
 
 def test_logits_equal_the_folders(converted, gl):
-    """The same function: bit for bit where both loads run the same product (prompts past
-    SHORT_ROWS rows take BLAS for float32 either way; quantized on load, every path); and the
-    greedy continuation (the few-row decode products differ in summation order only)."""
-    from gemmalite.kernels.common import SHORT_ROWS
+    """The same function, bit for bit: prompts of every length (the few-row and short-input numba
+    products, BLAS past SHORT_ROWS rows), decode steps, and the same checkpoint quantized on load.
+    The tensors are the folder's bit for bit, and a float GGUF tensor takes the products of the
+    folder's matrix of its dtype (`weights.ggml.GGMLMatrix`), so nothing may differ."""
+    from gemmalite.kernels.common import FEW_ROWS, SHORT_ROWS
 
     folder, gguf = converted
     a, b = gl.load(folder), gl.load(gguf)
     vocab = a.config.vocab_size
-    for n in (SHORT_ROWS + 1, 100):
+    for n in (1, FEW_ROWS, FEW_ROWS + 1, 40, SHORT_ROWS, SHORT_ROWS + 1, 100):
         ids = random_ids(n, vocab, seed=n)
-        np.testing.assert_array_equal(b.logits(ids), a.logits(ids))
-    ids = random_ids(20, vocab, seed=7)
-    assert b.generate_tokens(ids, max_new_tokens=12, temperature=0) == a.generate_tokens(ids, max_new_tokens=12,
-                                                                                          temperature=0)
+        np.testing.assert_array_equal(b.logits(ids), a.logits(ids), err_msg=f"{n} tokens")
+    sa, sb = a.new_state(), b.new_state()
+    prompt = np.array(random_ids(20, vocab, seed=7))
+    np.testing.assert_array_equal(b.engine.logits(b.engine.prefill(sb, prompt)),
+                                  a.engine.logits(a.engine.prefill(sa, prompt)))
+    for tok in random_ids(12, vocab, seed=8):
+        np.testing.assert_array_equal(b.engine.decode_step(sb, tok), a.engine.decode_step(sa, tok))
     for quant in ("int8", "int4"):
         qa, qb = gl.load(folder, quant=quant), gl.load(gguf, quant=quant)
-        for n in (1, 5, 40):
+        for n in (1, 5, 40, SHORT_ROWS + 1):
             ids = random_ids(n, vocab, seed=n)
             np.testing.assert_array_equal(qb.logits(ids), qa.logits(ids), err_msg=f"{quant}, {n} tokens")

@@ -104,8 +104,7 @@ def test_int8_matmul_and_rows(simd, long_rows, monkeypatch):
     if simd and not common.HAVE_AVX2:
         pytest.skip("no AVX2 on this CPU")
     monkeypatch.setattr(common, "HAVE_AVX2", simd)  # False: the portable float kernels
-    for name in ("LONG_ROW", "LONG_ROW_SIMD"):  # 4 rows per task or 1
-        monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
+    monkeypatch.setattr(quant, "LONG_ROW_SIMD", 0 if long_rows else 1 << 30)  # 4 rows per task or 1
     m = Int8Matrix.quantize(_w(203, 96))
     _check_matmul(m)
     _check_matmul(Int8Matrix.quantize(_w(37, 2 * TILE_BLOCK, seed=4)))  # decode rows per TILE_BLOCK values
@@ -294,13 +293,12 @@ def test_bad_x_shape():
 
 
 def test_int8_long_rows_use_the_four_row_kernel_exactly():
-    """Rows of >= LONG_ROW values take the 4-rows-at-a-time decode kernel; a row count that is
-    not a multiple of 4 exercises its tail."""
-    from gemmalite.weights.quant import LONG_ROW
-
+    """Long rows in the float decode kernel (4 rows per task; a width that is not a multiple of 32
+    takes it even with AVX2); a row count that is not a multiple of 4 exercises its tail."""
+    k = 4096 + 8
     rng = np.random.default_rng(7)
-    m = Int8Matrix.quantize(rng.standard_normal((11, LONG_ROW + 8), dtype=np.float32))
-    x = rng.standard_normal((1, LONG_ROW + 8), dtype=np.float32)
+    m = Int8Matrix.quantize(rng.standard_normal((11, k), dtype=np.float32))
+    x = rng.standard_normal((1, k), dtype=np.float32)
     ref = x.astype(np.float64) @ m.dense().astype(np.float64).T
     got = m.matmul(x)
     assert np.abs(got - ref).max() <= 1e-5 * (np.abs(x) @ np.abs(m.dense()).T).max()
@@ -333,8 +331,7 @@ def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monke
 
     from gemmalite.weights.ggml import GGMLMatrix
 
-    for name in ("LONG_ROW", "LONG_ROW_SIMD"):
-        monkeypatch.setattr(quant, name, 0 if long_rows else 1 << 30)
+    monkeypatch.setattr(quant, "LONG_ROW_SIMD", 0 if long_rows else 1 << 30)
     k = 512 if fmt == "int8-512" else 320  # int8: x per 32 values, or per TILE_BLOCK (512)
     w = _w(203, k, seed=11)
     if fmt.startswith("int8"):
