@@ -340,6 +340,15 @@ _block_rows = literal_ladder(
     B=either("q5", 5, 8), T=among("nt", 4, 3, 2, 1))
 
 
+@njit(inline="always", cache=True, fastmath=True, boundscheck=False)
+def block_w8a16_task(raw, xq, xd, q5, r, out):  # pragma: no cover - compiled
+    """Task ``r`` of `block_mvn_w8a16`: weight row ``r`` against every row of x (a compiled decode
+    step runs the same tasks inside its fused products, `weights.operands`)."""
+    t_all = xq.shape[0]
+    for t0 in range(0, t_all, TOKEN_TILE):
+        _block_rows(raw, xq, xd, r, t0, min(TOKEN_TILE, t_all - t0), out, q5)
+
+
 @njit(parallel=True, cache=True, fastmath=True, boundscheck=False)
 def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
@@ -347,7 +356,5 @@ def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
     all T rows and each of its chunks widened once per TOKEN_TILE of them (the tiles of the int8
     and int4 decode kernels), each row's result bit for bit its T=1 result."""
-    t_all = xq.shape[0]
     for r in prange(raw.shape[0]):
-        for t0 in range(0, t_all, TOKEN_TILE):
-            _block_rows(raw, xq, xd, r, t0, min(TOKEN_TILE, t_all - t0), out, q5)
+        block_w8a16_task(raw, xq, xd, q5, r, out)

@@ -20,13 +20,14 @@ sums each block exactly with 16-bit SIMD multiply-adds (``simd.block_row_dot``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from ..kernels import common
-from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, block_mvn_w8a16, row_bytes, type_name
-from ..kernels.simd import int16_activation_rows
-from .matrix import BF16, Matrix
+from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, row_bytes, type_name
+from .matrix import BF16, F32Matrix, HalfMatrix, Matrix
+from .operands import GGML_OPS, BlockOp, run_product
 
 # The fused kernel is used for T <= FEW_ROWS input rows always, and up to FUSED_MAX_T rows while
 # x (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
@@ -74,9 +75,11 @@ class GGMLMatrix(Matrix):
         self.raw = raw.reshape(rows, rb)
         self.raw.flags.writeable = False  # one compiled specialisation (GGUF memmaps are read-only)
         self.block_size = block_info(self.qtype)[0]
+        self._float: Matrix | None = None  # float types: products as the float matrices compute them
         if self.qtype in FLOAT_TYPES:
             self._w = _float_rows(self.raw, self.qtype, cols)
             self._k = None
+            self._float = F32Matrix(self._w) if self.qtype == "F32" else HalfMatrix(self._w)
         else:
             self._w = None
             self._k = KERNELS[self.qtype]
@@ -110,11 +113,11 @@ class GGMLMatrix(Matrix):
         if x2.ndim != 2 or x2.shape[1] != self.shape[1]:
             raise ValueError(f"matmul: x has shape {x.shape}, {self!r} needs [T, {self.shape[1]}]")
         n_t = x2.shape[0]
-        if self.qtype == "F32":
-            out = x2 @ self._w.T
-        elif self._int16_rows() and 1 <= n_t <= common.FEW_ROWS:
-            out = self._rows_w8a16(x2)
-        elif self._k is not None and self._fused(n_t):
+        if self._float is not None:
+            out = self._float.matmul(x2)
+        elif 1 <= n_t <= common.FEW_ROWS:  # decode rows: the operand's product (as `matmul_each`)
+            out = run_product(self.operand(), x2)
+        elif self._fused(n_t):
             out = np.empty((n_t, self.shape[0]), dtype=np.float32)
             big = self.shape[0] * self.shape[1] * max(1, n_t // 4) >= PARALLEL_MIN
             (self._k.matvec if big else self._k.matvec_serial)(self.raw, x2, out, W)
@@ -122,23 +125,33 @@ class GGMLMatrix(Matrix):
             out = self._blas(x2)
         return out[0] if squeeze else out
 
-    def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+    # float types behave as the float matrix that computes their products
+    @property
+    def uses_blas(self) -> bool:  # type: ignore[override]
+        return True if self._float is None else self._float.uses_blas
+
+    @property
+    def independent_rows(self) -> bool:  # type: ignore[override]
+        return False if self._float is None else self._float.independent_rows
+
+    def uses_blas_for(self, rows: int) -> bool:
+        return super().uses_blas_for(rows) if self._float is None else self._float.uses_blas_for(rows)
+
+    def matmul_alike(self, x: np.ndarray) -> np.ndarray:
+        return super().matmul_alike(x) if self._float is None else self._float.matmul_alike(x)
+
+    def _make_operand(self) -> Any:
+        """Decode rows (`Matrix.matmul_each`, the compiled step): float types as `F32Matrix` /
+        `HalfMatrix` take them; Q8_0 / Q5_0 with AVX2 against int16 activations per block (W8A16);
+        other blocks decoded a row at a time by the fused kernel, FEW_ROWS rows of x per call."""
+        if self._float is not None:
+            return self._float.operand()
         if self._int16_rows():
-            return self._rows_w8a16(x)
-        if self._k is not None:  # the fused kernel computes each row as it computes one
-            return self._each_in_chunks(x, common.FEW_ROWS)
-        return super().matmul_each(x)
+            return BlockOp(self.raw, self.qtype == "Q5_0")
+        return GGML_OPS[self.qtype](self.raw, self.shape[0] * self.shape[1] >= PARALLEL_MIN)
 
     def _int16_rows(self) -> bool:
         return self.qtype in ("Q8_0", "Q5_0") and common.HAVE_AVX2
-
-    def _rows_w8a16(self, x: np.ndarray) -> np.ndarray:
-        """Rows of ``x``, each computed as alone, weights read once: Q8_0 / Q5_0 with int16 activations."""
-        xq, xd, _ = int16_activation_rows(x, 32)
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        block_mvn_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out)
-        return out
 
     def _fused(self, n_t: int) -> bool:
         return 0 < n_t and (n_t <= common.FEW_ROWS or (n_t <= FUSED_MAX_T and n_t * self.shape[1] <= FUSED_MAX_X))
