@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import get_num_threads, njit, types
+from numba import get_num_threads, njit, typeof, types
 from numba.extending import overload
 
 from ...kernels import common
@@ -270,13 +270,16 @@ def decode_layer(h, w, c, ple, cos, sin, pos, bounds, starts, rings, threads):  
 class CompiledLayers:
     """`decode_layer` over a graph's layers: each layer's `LayerOps` (rebuilt when the CPU
     features `kernels.common` reports change: tests force the portable paths) and the step's
-    per-sequence ring views."""
+    per-sequence ring views. After a layer's first step, its compiled specialisation's entry point
+    is called directly: numba's dispatch, which types every argument anew, took 30-80 us a call
+    (the arguments' types stay the same: the layer's values, and arrays this module makes)."""
 
     def __init__(self, cfg: ModelConfig, layers: list) -> None:
         self.cfg = cfg
         self.layers = layers
         self._ops: tuple[Any, list[LayerOps] | None] = (None, None)
         self._consts: list[LayerConsts] | None = None
+        self._entries: dict[tuple[int, int], Any] = {}
 
     def ops(self) -> list[LayerOps] | None:
         """Every layer's `LayerOps`, or None where a matrix has no operand (that graph keeps the
@@ -284,6 +287,7 @@ class CompiledLayers:
         key = (common.HAVE_AVX2, common.HAVE_VNNI)
         if self._ops[0] != key:
             self._ops = (key, _layer_ops(self.layers))
+            self._entries = {}
         return self._ops[1]
 
     def consts(self) -> list[LayerConsts]:
@@ -314,27 +318,36 @@ class CompiledLayers:
         ple3 = ple if ple is not None else np.zeros((h.shape[0], 0, 0), np.float32)
         views: dict[int, tuple] = {}
         threads = get_num_threads()
+        pad = 1 if len(states) == 1 else GROUPS_MAX
+        h = h if h.flags.writeable else h.copy()
         for spec, w, c in zip(self.cfg.layers, ops, self.consts()):
             src = spec.kv_source
             if src not in views:
-                views[src] = _ring_views(states, counts, src)
+                views[src] = _ring_views(states, counts, src, pad)
             cos, sin = ropes[spec.rope]
-            h = decode_layer(h, w, c, ple3, cos, sin, pos, bounds, starts, views[src], threads)
+            args = (h, w, c, ple3, cos, sin, pos, bounds, starts, views[src], threads)
+            entry = self._entries.get((spec.index, pad))
+            if entry is None:  # the first step: numba's dispatch (and compile), then its entry point
+                h = decode_layer(*args)
+                self._entries[spec.index, pad] = decode_layer.overloads[tuple(typeof(v) for v in args)].entry_point
+            else:
+                h = entry(*args)
         for s, n in zip(states, counts):
             for ring in s.rings.values():
                 ring.length = s.length + n
         return h
 
 
-def _ring_views(states: list[KVState], counts: list[int], layer: int) -> tuple:
+def _ring_views(states: list[KVState], counts: list[int], layer: int, pad: int) -> tuple:
     """Each sequence's (K, V, positions) of ``layer``'s ring as far as the step will fill it, padded
-    with empty rings to GROUPS_MAX entries (one compiled specialisation for every batch size)."""
+    with empty rings to ``pad`` entries (1 or GROUPS_MAX: two compiled specialisations for every
+    batch size)."""
     out = []
     for s, n in zip(states, counts):
         r = s.rings[layer]
         m = min(r.length + n, r.capacity)
         out.append((r.k[:m], r.v[:m], r.pos[:m]))
-    return tuple(out) + (_NO_RING,) * (GROUPS_MAX - len(out))
+    return tuple(out) + (_NO_RING,) * (pad - len(out))
 
 
 def _layer_ops(layers: list) -> list[LayerOps] | None:
