@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from ..kernels import common
-from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, row_bytes, type_name
+from ..kernels.ggml import FLOAT_TYPES, KERNELS, KQ_KINDS, W, block_info, row_bytes, type_name
 from .matrix import BF16, F32Matrix, HalfMatrix, Matrix
-from .operands import GGML_OPS, BlockOp, run_product
+from .operands import GGML_OPS, BlockOp, KQuantOp, run_product
 
 # The fused kernel is used for T <= FEW_ROWS input rows always, and up to FUSED_MAX_T rows while
 # x (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
@@ -142,12 +142,16 @@ class GGMLMatrix(Matrix):
 
     def _make_operand(self) -> Any:
         """Decode rows (`Matrix.matmul_each`, the compiled step): float types as `F32Matrix` /
-        `HalfMatrix` take them; Q8_0 / Q5_0 with AVX2 against int16 activations per block (W8A16);
-        other blocks decoded a row at a time by the fused kernel, FEW_ROWS rows of x per call."""
+        `HalfMatrix` take them; with AVX2, Q8_0 / Q5_0 and the K-quants (Q4_K, Q5_K, Q6_K) against int16
+        activations per 32 values (W8A16: exact integer sums per block or sub-block); other blocks
+        (and every block without AVX2) decoded a row at a time by the fused kernel, FEW_ROWS rows of x
+        per call."""
         if self._float is not None:
             return self._float.operand()
         if self._int16_rows():
             return BlockOp(self.raw, self.qtype == "Q5_0")
+        if self.qtype in KQ_KINDS and common.HAVE_AVX2:
+            return KQuantOp(self.raw, KQ_KINDS[self.qtype])
         return GGML_OPS[self.qtype](self.raw, self.shape[0] * self.shape[1] >= PARALLEL_MIN)
 
     def _int16_rows(self) -> bool:

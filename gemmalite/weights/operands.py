@@ -26,7 +26,8 @@ from numba.extending import overload
 
 from ..kernels import common
 from ..kernels.calls import F32_2D, Kernel, kernel
-from ..kernels.ggml import _KINDS, KERNELS, W, block_mvn_w8a16, block_w8a16_task
+from ..kernels.ggml import (_KINDS, KERNELS, W, block_mvn_w8a16, block_w8a16_task, group_isums, kquant_mvn_w8a16,
+                            kquant_w8a16_task)
 from ..kernels.half import ROWS as HALF_ROWS
 from ..kernels.half import half_matmul
 from ..kernels.int4s import ROW_BLOCK, activation_pairs, i4s_mvn_w4a8, i4s_task
@@ -124,6 +125,16 @@ class BlockOp(NamedTuple):
     sig: int = 0
 
 
+class KQuantOp(NamedTuple):
+    """GGML Q4_K / Q5_K / Q6_K blocks (``kind`` 4 / 5 / 6) against int16 activations per 32:
+    `kquant_mvn_w8a16`."""
+
+    raw: np.ndarray
+    kind: int
+    addr: int = 0
+    sig: int = 0
+
+
 def _ggml_op(kind: str) -> type:
     """The operand class of GGML block type ``kind`` (decoded row by row, `ggml.make_kernels`):
     a class per type, so that typing picks that type's kernels; ``big``: parallel over rows."""
@@ -138,7 +149,7 @@ GGML_OPS = {kind: _ggml_op(kind) for kind in _KINDS}
 globals().update({cls.__name__: cls for cls in GGML_OPS.values()})  # importable by name (numba's cache pickles types)
 _GGML_KERNELS = {cls: KERNELS[kind] for kind, cls in GGML_OPS.items()}
 
-TASKED = (Int8Op, Int4sOp, BlockOp)  # decode kernels made of tasks (`products` fuses them)
+TASKED = (Int8Op, Int4sOp, BlockOp, KQuantOp)  # decode kernels made of tasks (`products` fuses them)
 
 
 def _class(op) -> type | None:
@@ -219,6 +230,13 @@ def _product(op, x):
             block_mvn_w8a16(op.raw, xq, xd, op.q5, out)
             return out
         return block
+    if c is KQuantOp:
+        def kquant(op, x):
+            xq, xd, _ = int16_activation_rows(x, np.int64(32))
+            out = np.empty((x.shape[0], op.raw.shape[0]), np.float32)
+            kquant_mvn_w8a16(op.raw, xq, xd, group_isums(xq), op.kind, out)
+            return out
+        return kquant
     if c in _GGML_KERNELS:
         matvec, matvec_serial = _GGML_KERNELS[c].matvec, _GGML_KERNELS[c].matvec_serial
 
@@ -266,6 +284,11 @@ def _prepare_impl(op, x):
             xq, xd, _ = int16_activation_rows(x, np.int64(32))
             return xq, xd
         return block
+    if c is KQuantOp:
+        def kquant(op, x):
+            xq, xd, _ = int16_activation_rows(x, np.int64(32))
+            return xq, xd, group_isums(xq)
+        return kquant
     return None
 
 
@@ -276,7 +299,7 @@ def _tasks_impl(op, p):
         return lambda op, p: (op.q.shape[0] + p[2] - 1) // p[2]
     if c is Int4sOp:
         return lambda op, p: (op.packed.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK
-    if c is BlockOp:
+    if c in (BlockOp, KQuantOp):
         return lambda op, p: op.raw.shape[0]
     return None
 
@@ -291,6 +314,8 @@ def _task_impl(op, p, b, out):
         return lambda op, p, b, out: i4s_task(op.packed, op.scales, p[0], p[1], p[2], p[3], op.vnni, b, out)
     if c is BlockOp:
         return lambda op, p, b, out: block_w8a16_task(op.raw, p[0], p[1], op.q5, b, out)
+    if c is KQuantOp:
+        return lambda op, p, b, out: kquant_w8a16_task(op.raw, p[0], p[1], p[2], op.kind, b, out)
     return None
 
 
@@ -319,7 +344,7 @@ def _chunk_impl(op, p):
         return lambda op, p: 16 // p[2]
     if c is Int4sOp:
         return lambda op, p: 1
-    if c is BlockOp:
+    if c in (BlockOp, KQuantOp):
         return lambda op, p: 16
     return None
 
@@ -373,7 +398,7 @@ def _width_impl(op):
         return lambda op: op.q.shape[0]
     if c is Int4sOp:
         return lambda op: op.packed.shape[0]
-    if c is BlockOp:
+    if c in (BlockOp, KQuantOp):
         return lambda op: op.raw.shape[0]
     return None
 
