@@ -13,9 +13,11 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
 
 Numerics: the decoders (`gemmalite.kernels.ggml`) reproduce llama.cpp's dequantizers bit for
 bit, so products equal float32 math on the dequantized matrix up to summation order. One
-exception: decode (T=1) on Q8_0 and Q5_0 blocks with AVX2 rounds ``x`` to int16 per block of 32
-(step ``max|x| / 32767``, as gemmalite's own int8 decode; llama.cpp rounds it to 8 bits) and
-sums each block exactly with 16-bit SIMD multiply-adds (``simd.block_row_dot``).
+exception: decode rows (T <= FEW_ROWS) on Q8_0, Q5_0 and K-quant (Q4_K, Q5_K, Q6_K) blocks with
+AVX2 round ``x`` to int16 per block of 32 (step ``max|x| / 32767``, as gemmalite's own int8
+decode; llama.cpp rounds it to 8 bits) and sum each block or sub-block exactly with 16-bit SIMD
+multiply-adds (``simd.block_row_dot``, ``ggml.kquant_row_dot``); float types compute as
+`F32Matrix` / `HalfMatrix` do.
 """
 from __future__ import annotations
 
