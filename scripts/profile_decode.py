@@ -2,16 +2,19 @@
 """Where a decode step's time goes, per weight shape: calls, ms per step, achieved GB/s.
 
 Wraps every quantized/float matrix product of a decode step in a timer while a model decodes
-greedily, then prints one line per matrix shape (largest time first) and the time outside the
-products. ``--batch B`` steps B sequences together (`Engine.decode_batch`, what the server's
+greedily (the uncompiled step, whose products are called from Python; q/k/v and gate/up count as
+one line where they share a parallel region), then prints one line per matrix shape (largest time
+first) and the time outside the products. ``--batch B`` steps B sequences together (`Engine.decode_batch`, what the server's
 continuous batching runs): the products then read each weight once for B rows.
 
     python scripts/profile_decode.py MODEL [--tokens 20] [--prompt 16] [--batch 1]
 
-``--kernels`` instead splits a one-sequence step into the time inside numba kernels (cProfile's
-own time of every numba dispatcher of `gemmalite.kernels`) and the rest (Python, numpy, dispatch):
-the most a compiled decode step could save. The rest is the unprofiled median step minus the
-profiled kernel time, so cProfile's own overhead does not inflate it.
+``--kernels`` instead splits a one-sequence step into the time inside compiled code (cProfile's
+own time of every numba dispatcher of gemmalite: the kernels, the operands' products, the compiled
+decode step's layers) and the rest (Python, numpy, dispatch). The rest is the unprofiled median
+step minus the profiled compiled time, so cProfile's own overhead does not inflate it.
+``--uncompiled`` runs the uncompiled decode step (Python driving each layer's kernels) instead of
+the compiled one (`models.gemma.compiled`), for an A/B on one machine.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import time
 
 import gemmalite  # first: sets the BLAS thread timeout before numpy starts
 import numpy as np
+from gemmalite.models.gemma import graph
 from gemmalite.weights import ggml, matrix, quant
 
 
@@ -34,15 +38,33 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1, help="sequences stepped together (Engine.decode_batch)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--kernels", action="store_true", help="time inside numba kernels against the rest of a step")
+    ap.add_argument("--kernels", action="store_true", help="time inside compiled code against the rest of a step")
+    ap.add_argument("--uncompiled", action="store_true", help="the uncompiled decode step (Python driving the kernels)")
     a = ap.parse_args()
     m = gemmalite.load(a.model, threads=a.threads)
+    m.engine.graph.compiled_step = not a.uncompiled
     ids = list(np.random.default_rng(0).integers(1000, m.config.vocab_size, a.prompt))
     list(m.generate_tokens(ids, max_new_tokens=4, temperature=0))  # warm-up (compiles kernels)
     if a.kernels:
         return kernel_share(m.engine, ids, a.tokens)
+    # the products are timed from Python: the uncompiled step (the compiled one calls them from compiled code)
+    m.engine.graph.compiled_step = False
     stats: dict = collections.defaultdict(lambda: [0, 0.0, 0])
     depth = [0]  # only the outermost product counts (a fallback matmul_each calls matmul)
+
+    def timed_all(mats, x, _orig=graph.matmul_each_all):  # q/k/v, gate/up: one region where the format fuses them
+        depth[0] += 1
+        t = time.perf_counter()
+        try:
+            return _orig(mats, x)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0 and x.shape[0] <= a.batch:
+                s = stats[("+".join(type(w).__name__ for w in mats), tuple(w.shape for w in mats))]
+                s[0] += 1
+                s[1] += time.perf_counter() - t
+                s[2] = sum(w.nbytes for w in mats)
+    graph.matmul_each_all = timed_all
     for cls in (quant.Int8Matrix, quant.Int4Matrix, matrix.F32Matrix, matrix.HalfMatrix, ggml.GGMLMatrix):
         for meth in ("matmul", "matmul_each"):
             orig = cls.__dict__.get(meth)
@@ -104,14 +126,14 @@ def kernel_share(engine, ids: list[int], n: int) -> None:
     inside, kernel_calls, calls = 0.0, 0, 0
     for (path, _line, name), (_cc, nc, own, _cum, _callers) in pstats.Stats(prof).stats.items():
         calls += nc
-        if "/gemmalite/kernels/" in path:
-            module = importlib.import_module("gemmalite.kernels." + path.rsplit("/", 1)[1].removesuffix(".py"))
+        if "/gemmalite/" in path and path.endswith(".py"):
+            module = importlib.import_module("gemmalite." + path.rsplit("/gemmalite/", 1)[1][:-3].replace("/", "."))
             if hasattr(getattr(module, name, None), "py_func"):  # a numba dispatcher
                 inside += own
                 kernel_calls += nc
     step, inside = float(np.median(times)), inside / n
     print(f"decode step {step * 1e3:.2f} ms median (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
-          f"inside numba kernels {inside * 1e3:.2f} ms in {kernel_calls / n:.0f} calls; Python calls/step "
+          f"inside compiled code {inside * 1e3:.2f} ms in {kernel_calls / n:.0f} calls; Python calls/step "
           f"{calls / n:.0f}; outside kernels {(step - inside) * 1e3:.2f} ms = {100 * (step - inside) / step:.1f} % of the step")
 
 

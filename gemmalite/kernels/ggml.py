@@ -12,12 +12,15 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import numpy as np
+from llvmlite import ir
 from numba import literally, njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, nibbles
+from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, half_to_f32_ir, literal_ladder, nibbles
 from .fdot import dot_tile
-from .simd import block_row_dot
+from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop,
+                   _pmadd, _span, _splat, _vec, block_row_dot)
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -337,6 +340,15 @@ _block_rows = literal_ladder(
     B=either("q5", 5, 8), T=among("nt", 4, 3, 2, 1))
 
 
+@njit(inline="always", **FAST)
+def block_w8a16_task(raw, xq, xd, q5, r, out):  # pragma: no cover - compiled
+    """Task ``r`` of `block_mvn_w8a16`: weight row ``r`` against every row of x (a compiled decode
+    step runs the same tasks inside its fused products, `weights.operands`)."""
+    t_all = xq.shape[0]
+    for t0 in range(0, t_all, TOKEN_TILE):
+        _block_rows(raw, xq, xd, r, t0, min(TOKEN_TILE, t_all - t0), out, q5)
+
+
 @njit(parallel=True, **FAST)
 def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     """Rows of x (``xq``/``xd``/``out`` ``[T, .]``: a decode step, a prompt-lookup step, a batch of
@@ -344,7 +356,191 @@ def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
     own int8): exact int32 block sums with 16-bit SIMD multiply-add; a weight row is read once for
     all T rows and each of its chunks widened once per TOKEN_TILE of them (the tiles of the int8
     and int4 decode kernels), each row's result bit for bit its T=1 result."""
-    t_all = xq.shape[0]
     for r in prange(raw.shape[0]):
-        for t0 in range(0, t_all, TOKEN_TILE):
-            _block_rows(raw, xq, xd, r, t0, min(TOKEN_TILE, t_all - t0), out, q5)
+        block_w8a16_task(raw, xq, xd, q5, r, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# K-quant blocks against int16 activations (W8A16), as the Q8_0 / Q5_0 decode kernel above.
+# ---------------------------------------------------------------------------------------------
+
+KQ_KINDS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the `kind` literal of `kquant_row_dot`
+_KQ_BYTES = {4: 144, 5: 176, 6: 210}  # bytes per super-block of 256 values
+
+
+def _kquant_codegen(kind: int, ntok: int):
+    """IR for ``out[t, r] = sum_g xd[t, g] * (scale_g * sum_i q_i * xq[t, 32g + i] - min_g * xs[t, g])``
+    for row ``r`` of a Q4_K / Q5_K / Q6_K matrix (raw blocks) and tokens ``t0 .. t0 + ntok - 1``.
+
+    Per super-block of 256 values: each sub-block's quants (Q4_K / Q5_K: 8 of 32, 4 or 5 bits, a
+    6-bit scale and min each; Q6_K: 16 of 16, 6 bits minus 32, an int8 scale each) are unpacked in
+    16-lane vectors and summed against the int16 activations exactly in int32 (``vpmaddwd``);
+    the sub-block's float scale (``d * sc``, ``dmin * m``: the reference dequantizer's own
+    roundings) times the token's activation step then takes one FMA into eight float32 lanes, the
+    min term (exact integer activation sums ``xs``) one scalar FMA; one horizontal sum per token
+    at the end. Each token's operations are the same whatever the tile, so every output is bit for
+    bit its one-token result. ``xq`` int16 ``[T, in]``, ``xd`` float32 and ``xs`` int32 ``[T, in //
+    32]``, ``out`` float32 ``[T, rows]``. Sums stay far inside int32 (2 * 2 * 32 * 32767 per lane)."""
+    bs = _KQ_BYTES[kind]
+    v16 = _vec(_I16, 16)
+
+    def i16(v):
+        return ir.Constant(v16, [v] * 16)
+
+    def codegen(builder, wa, xqa, xda, xsa, r, t0, oa):
+        nsb = builder.udiv(wa.shape[1], _c64(bs))
+        pmadd = _pmadd(builder)
+        toks = _span(builder, t0, ntok)
+        wrow = wa.rows(builder, [r])[0]
+        xrow, drow, srow = xqa.rows(builder, toks), xda.rows(builder, toks), xsa.rows(builder, toks)
+        entry, head, body, done = _open_loop(builder, "kq")
+        b = builder.phi(_I64)
+        b.add_incoming(_c64(0), entry)
+        accs = [builder.phi(_vec(_F32, 8)) for _ in range(ntok)]
+        mins = [builder.phi(_F32) for _ in range(ntok)]
+        for a in accs:
+            a.add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
+        for m in mins:
+            m.add_incoming(ir.Constant(_F32, 0.0), entry)
+        builder.cbranch(builder.icmp_signed("<", b, nsb), body, done)
+
+        builder.position_at_end(body)
+        blk = builder.gep(wrow, [builder.mul(b, _c64(bs))], inbounds=True)
+        g0 = builder.mul(b, _c64(8))  # the super-block's first group of 32 activations
+
+        def byte(off):
+            return builder.zext(builder.load(builder.gep(blk, [_c64(off)], inbounds=True)), _I32)
+
+        def half(off):
+            p = builder.bitcast(builder.gep(blk, [_c64(off)], inbounds=True), _I16.as_pointer())
+            return half_to_f32_ir(builder, builder.load(p, align=1))
+
+        def quants(off):
+            return builder.zext(_load_vec(builder, blk, _c64(off), _vec(_I8, 16)), v16)
+
+        new_accs, new_mins = list(accs), list(mins)
+
+        def add(j, chunks, scale, dmin=None):
+            """Group ``j`` of the super-block (``chunks``: (quants, offset in the group) pairs), its
+            float scale (and min: Q4_K / Q5_K) into every token's sums."""
+            g = builder.add(g0, _c64(j))
+            for t in range(ntok):
+                isum = None
+                for q, off in chunks:
+                    xv = _load_vec(builder, xrow[t], builder.add(builder.mul(g, _c64(32)), _c64(off)), v16)
+                    s = builder.call(pmadd, [q, xv])
+                    isum = s if isum is None else builder.add(isum, s)
+                xd = builder.load(builder.gep(drow[t], [g], inbounds=True))
+                f = builder.fmul(scale, xd, flags=_EXACT)
+                new_accs[t] = _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, f, 8), new_accs[t])
+                if dmin is not None:
+                    xs = builder.sitofp(builder.load(builder.gep(srow[t], [g], inbounds=True)), _F32)
+                    new_mins[t] = _fma1(builder, builder.fmul(dmin, xd, flags=_EXACT), xs, new_mins[t])
+
+        if kind in (4, 5):
+            d, dmin = half(0), half(2)
+            s = [byte(4 + i) for i in range(12)]
+            c63, c15 = ir.Constant(_I32, 63), ir.Constant(_I32, 15)
+            qs = 48 if kind == 5 else 16
+            hbits = [quants(16), quants(32)] if kind == 5 else None
+            for c in range(4):
+                scales = []
+                for j in (2 * c, 2 * c + 1):  # get_scale_min_k4
+                    if j < 4:
+                        sc, mn = builder.and_(s[j], c63), builder.and_(s[j + 4], c63)
+                    else:
+                        top = ir.Constant(_I32, 6)
+                        sc = builder.or_(builder.and_(s[j + 4], c15), builder.shl(builder.lshr(s[j - 4], top), ir.Constant(_I32, 4)))
+                        mn = builder.or_(builder.lshr(s[j + 4], ir.Constant(_I32, 4)), builder.shl(builder.lshr(s[j], top), ir.Constant(_I32, 4)))
+                    scales.append((builder.fmul(d, builder.uitofp(sc, _F32), flags=_EXACT),
+                                   builder.fmul(dmin, builder.uitofp(mn, _F32), flags=_EXACT)))
+                lo, hi = [], []
+                for h in range(2):
+                    w = quants(qs + 32 * c + 16 * h)
+                    ql, qh = builder.and_(w, i16(15)), builder.lshr(w, i16(4))
+                    if kind == 5:  # bit j of qh[l]: bit 4 of sub-block j's value l
+                        bits = hbits[h]
+                        ql = builder.or_(ql, builder.shl(builder.and_(builder.lshr(bits, i16(2 * c)), i16(1)), i16(4)))
+                        qh = builder.or_(qh, builder.shl(builder.and_(builder.lshr(bits, i16(2 * c + 1)), i16(1)), i16(4)))
+                    lo.append((ql, 16 * h))
+                    hi.append((qh, 16 * h))
+                add(2 * c, lo, *scales[0])
+                add(2 * c + 1, hi, *scales[1])
+        else:  # Q6_K
+            d = half(208)
+            for h in range(2):
+                for k in range(2):
+                    a, bq, cq = quants(64 * h + 16 * k), quants(64 * h + 32 + 16 * k), quants(128 + 32 * h + 16 * k)
+                    qv = [builder.or_(builder.and_(a, i16(15)), builder.shl(builder.and_(cq, i16(3)), i16(4))),
+                          builder.or_(builder.and_(bq, i16(15)), builder.shl(builder.and_(builder.lshr(cq, i16(2)), i16(3)), i16(4))),
+                          builder.or_(builder.lshr(a, i16(4)), builder.shl(builder.and_(builder.lshr(cq, i16(4)), i16(3)), i16(4))),
+                          builder.or_(builder.lshr(bq, i16(4)), builder.shl(builder.lshr(cq, i16(6)), i16(4)))]
+                    for i in range(4):
+                        sc = builder.sext(builder.load(builder.gep(blk, [_c64(192 + 8 * h + 2 * i + k)], inbounds=True)), _I32)
+                        add(4 * h + i, [(builder.sub(qv[i], i16(32)), 16 * k)], builder.fmul(d, builder.sitofp(sc, _F32), flags=_EXACT))
+        for t in range(ntok):
+            accs[t].add_incoming(new_accs[t], body)
+            mins[t].add_incoming(new_mins[t], body)
+        b.add_incoming(builder.add(b, _c64(1)), body)
+        builder.branch(head)
+
+        builder.position_at_end(done)
+        for t in range(ntok):
+            at = builder.add(builder.mul(toks[t], oa.shape[1]), r)
+            builder.store(builder.fsub(_hsum(builder, accs[t]), mins[t], flags=_EXACT),
+                          builder.gep(oa.data, [at], inbounds=True))
+
+    return codegen
+
+
+def _fma1(builder, a, b, c):
+    """``a * b + c`` rounded once, on float32 scalars."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+    return builder.call(fn, [a, b, c])
+
+
+@intrinsic
+def kquant_row_dot(typingctx, raw, xq, xd, xs, r, t0, out, kind, ntok):
+    """`_kquant_codegen` for row ``r``, tokens ``t0 ..``: ``kind`` 4, 5, 6 (Q4_K, Q5_K, Q6_K) and
+    ``ntok`` (1-4) literals. Needs AVX2 (`common.HAVE_AVX2`)."""
+    if not (_literal(kind, (4, 5, 6)) and _literal(ntok, range(1, 5))):
+        return None
+    inner = _kquant_codegen(kind.literal_value, ntok.literal_value)
+    return types.void(raw, xq, xd, xs, r, t0, out, kind, ntok), _codegen(inner, 7)
+
+
+_kq_rows = literal_ladder(
+    "_kq_rows(raw, xq, xd, xs, r, t0, nt, out, kind)", "kquant_row_dot(raw, xq, xd, xs, r, t0, out, {K}, {T})",
+    dict(kquant_row_dot=kquant_row_dot), K=among("kind", 4, 5, 6), T=among("nt", 4, 3, 2, 1))
+
+
+@njit(inline="always", **FAST)
+def kquant_w8a16_task(raw, xq, xd, xs, kind, r, out):  # pragma: no cover - compiled
+    """Task ``r`` of `kquant_mvn_w8a16`: weight row ``r`` against every row of x."""
+    t_all = xq.shape[0]
+    for t0 in range(0, t_all, TOKEN_TILE):
+        _kq_rows(raw, xq, xd, xs, r, t0, min(TOKEN_TILE, t_all - t0), out, kind)
+
+
+@njit(parallel=True, **FAST)
+def kquant_mvn_w8a16(raw, xq, xd, xs, kind, out):  # pragma: no cover - compiled
+    """Rows of x (``xq`` / ``xd`` from `simd.int16_activation_rows` per 32 values, ``xs`` their
+    integer sums per 32: `group_isums`) on Q4_K / Q5_K / Q6_K blocks (``kind`` 4 / 5 / 6): exact
+    integer sub-block sums, a weight row read once for all rows, each row's result bit for bit its
+    T=1 result (W8A16, as `block_mvn_w8a16`)."""
+    for r in prange(raw.shape[0]):
+        kquant_w8a16_task(raw, xq, xd, xs, kind, r, out)
+
+
+@njit(**EXACT)
+def group_isums(xq):  # pragma: no cover - compiled
+    """``xs[t, g] = sum of xq[t, 32g .. 32g + 31]`` (int32, exact): the K-quants' min terms."""
+    t, k = xq.shape
+    xs = np.empty((t, k // 32), np.int32)
+    for i in range(t):
+        for g in range(k // 32):
+            s = 0
+            for j in range(32):
+                s += np.int32(xq[i, 32 * g + j])
+            xs[i, g] = s
+    return xs

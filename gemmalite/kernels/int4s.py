@@ -43,7 +43,7 @@ from .simd import (
     _vpdpbusd,
 )
 
-__all__ = ["activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack", "int4s_rows_dot",
+__all__ = ["activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack", "i4s_task", "int4s_rows_dot",
            "int4s_tile_dot", "round_i8_pairs", "token_groups"]
 
 _JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
@@ -350,6 +350,22 @@ _rows = literal_ladder(
     dict(int4s_rows_dot=int4s_rows_dot), V=either("vnni", 1, 0), R=either("four", 4, 1), T=among("nt", 4, 3, 2, 1))
 
 
+@njit(inline="always", **_FAST)
+def i4s_task(packed, scales, xq, xc, xd, rows_per_task, vnni, b, out):
+    """Task ``b`` of `i4s_mvn_w4a8`: weight rows ``b * ROW_BLOCK ..`` against every row of x (a
+    compiled decode step runs the same tasks inside its fused products, `weights.operands`)."""
+    n = packed.shape[0]
+    t_all = xq.shape[0]
+    r0 = b * ROW_BLOCK
+    r1 = min(n, r0 + ROW_BLOCK)
+    r4 = r0 + (r1 - r0) // 4 * 4 if rows_per_task == 4 else r0
+    for t0 in range(0, t_all, TOKEN_TILE):
+        nt = min(TOKEN_TILE, t_all - t0)
+        if r4 > r0:
+            _rows(packed, scales, xq, xc, xd, r0, r4, t0, nt, out, True, vnni)
+        _rows(packed, scales, xq, xc, xd, r4, r1, t0, nt, out, False, vnni)
+
+
 @njit(parallel=True, **_FAST)
 def i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out):
     """Rows of x (``xq``/``xc``/``xd`` from `round_i8_pairs`, ``out [T, n]``): a decode step, a
@@ -357,17 +373,8 @@ def i4s_mvn_w4a8(packed, scales, xq, xc, xd, rows_per_task, vnni, out):
     ``rows_per_task`` (1 or 4) rows x up to TOKEN_TILE activation rows: each weight row read from
     memory once for all T rows; every row's result bit for bit its T=1 result. ``vnni``: 8-bit dot
     products (where the CPU has them)."""
-    n = packed.shape[0]
-    t_all = xq.shape[0]
-    for b in prange((n + ROW_BLOCK - 1) // ROW_BLOCK):
-        r0 = b * ROW_BLOCK
-        r1 = min(n, r0 + ROW_BLOCK)
-        r4 = r0 + (r1 - r0) // 4 * 4 if rows_per_task == 4 else r0
-        for t0 in range(0, t_all, TOKEN_TILE):
-            nt = min(TOKEN_TILE, t_all - t0)
-            if r4 > r0:
-                _rows(packed, scales, xq, xc, xd, r0, r4, t0, nt, out, True, vnni)
-            _rows(packed, scales, xq, xc, xd, r4, r1, t0, nt, out, False, vnni)
+    for b in prange((packed.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
+        i4s_task(packed, scales, xq, xc, xd, rows_per_task, vnni, b, out)
 
 
 @njit(**_FAST)

@@ -73,31 +73,23 @@ def f32_matmul_small(x, w, out):  # pragma: no cover - compiled
 
 
 @njit(**EXACT)
-def gelu_tanh_inner(a, t):  # pragma: no cover - compiled
-    """``t = (a + 0.044715 a^3) * sqrt(2/pi)`` (flat, contiguous), numpy's order of float32
-    operations (no fastmath: no fused multiply-add), so the bits are numpy's."""
-    a1 = a.reshape(-1)
-    t1 = t.reshape(-1)
-    for i in range(a1.shape[0]):
-        x = a1[i]
+def gelu_tanh_mul_flat(a, b, out):  # pragma: no cover - compiled
+    """``out = gelu_tanh(a) * b`` over flat contiguous arrays, GELU's tanh approximation as
+    ``a * sigmoid(2u)`` (``0.5 (1 + tanh u) = sigmoid(2u)``, ``u = sqrt(2/pi) (a + 0.044715 a^3)``):
+    ``e = exp(-|2u|)`` by `exp_nonpositive` and ``sigmoid = (1 or e) / (1 + e)``, a few float32 ulps
+    relative everywhere, where ``1 + tanh`` in float32 loses all of them as ``tanh -> -1``. Plain
+    float arithmetic that vectorises (as fast as numpy's SIMD tanh); no fastmath, so the bits do not
+    depend on where it is compiled: the uncompiled and the compiled decode step share it."""
+    for i in range(a.shape[0]):
+        x = a[i]
         u = x * x
         u = u * x
         u = u * np.float32(0.044715)
         u = u + x
-        t1[i] = u * np.float32(0.7978845608028654)
-
-
-@njit(**EXACT)
-def gelu_tanh_outer(a, b, t):  # pragma: no cover - compiled
-    """``t = (t + 1) * a * 0.5 * b`` in place (flat, contiguous; ``t`` = tanh of the inner part)."""
-    a1 = a.reshape(-1)
-    b1 = b.reshape(-1)
-    t1 = t.reshape(-1)
-    for i in range(a1.shape[0]):
-        u = t1[i] + np.float32(1.0)
-        u = u * a1[i]
-        u = u * np.float32(0.5)
-        t1[i] = u * b1[i]
+        z = u * np.float32(1.5957691216057308)  # 2 sqrt(2 / pi)
+        e = exp_nonpositive(-abs(z))
+        s = (np.float32(1.0) if z >= 0 else e) / (np.float32(1.0) + e)
+        out[i] = (x * s) * b[i]
 
 
 @njit(**EXACT)

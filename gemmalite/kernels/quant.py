@@ -83,6 +83,26 @@ _i8_tile = literal_ladder(
     F=either("blocks", "int8_tile_dot", "int8_rows_dot"), R=either("four", 4, 1), T=among("nt", 4, 3, 2, 1))
 
 
+@njit(inline="always", **_FAST)
+def i8_w8a16_task(q, scale, xq, xd, rows_per_task, b, out):
+    """Task ``b`` of `i8_mvn_w8a16`: weight rows ``b * rows_per_task ..`` against every row of x (a
+    compiled decode step runs the same tasks inside its fused products, `weights.operands`)."""
+    n, k = q.shape
+    t_all = xq.shape[0]
+    blocks = xd.shape[1] * TILE_BLOCK == k
+    r = b * rows_per_task
+    for t0 in range(0, t_all, TOKEN_TILE):
+        nt = min(TOKEN_TILE, t_all - t0)
+        if rows_per_task == 4 and r + 4 <= n:
+            _i8_tile(q, xq, xd, r, t0, nt, out, True, blocks)
+        else:
+            for i in range(r, min(n, r + rows_per_task)):
+                _i8_tile(q, xq, xd, i, t0, nt, out, False, blocks)
+    for t in range(t_all):
+        for i in range(r, min(n, r + rows_per_task)):
+            out[t, i] *= scale[i]
+
+
 @njit(parallel=True, **_FAST)
 def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
     """Rows of x with int16 activations (``xq``/``xd``/``out`` ``[T, .]``, per 32 values: a decode
@@ -90,21 +110,8 @@ def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
     multiply-add, in tiles of ``rows_per_task`` (1 or 4) weight rows x up to TOKEN_TILE
     activation rows: each weight is read from memory once for all T rows and widened once per
     tile, each activation loaded once per tile; every row's result is bit for bit its T=1 result."""
-    n, k = q.shape
-    t_all = xq.shape[0]
-    blocks = xd.shape[1] * TILE_BLOCK == k
-    for b in prange((n + rows_per_task - 1) // rows_per_task):
-        r = b * rows_per_task
-        for t0 in range(0, t_all, TOKEN_TILE):
-            nt = min(TOKEN_TILE, t_all - t0)
-            if rows_per_task == 4 and r + 4 <= n:
-                _i8_tile(q, xq, xd, r, t0, nt, out, True, blocks)
-            else:
-                for i in range(r, min(n, r + rows_per_task)):
-                    _i8_tile(q, xq, xd, i, t0, nt, out, False, blocks)
-        for t in range(t_all):
-            for i in range(r, min(n, r + rows_per_task)):
-                out[t, i] *= scale[i]
+    for b in prange((q.shape[0] + rows_per_task - 1) // rows_per_task):
+        i8_w8a16_task(q, scale, xq, xd, rows_per_task, b, out)
 
 
 @njit(parallel=True, **_FAST)

@@ -48,9 +48,11 @@ def round_int16(x, group, xq, xd, xs):  # pragma: no cover - compiled
             xq[j] = np.int16(np.rint(x[j] * inv))
 
 
-def int16_activation_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@njit(cache=True, error_model="numpy", boundscheck=False, fastmath=False)
+def int16_activation_rows(x, group):  # pragma: no cover - compiled
     """Each row of ``x`` ``[T, k]`` as int16 per group (``round_int16``): values ``[T, k]``, scales
-    and sums ``[T, k//group]``; the input of the decode kernels, each row rounded on its own."""
+    and sums ``[T, k//group]``; the input of the decode kernels, each row rounded on its own. One
+    compiled call (from Python or from a compiled decode step: the same code either way)."""
     t, k = x.shape
     xq = np.empty((t, k), dtype=np.int16)
     xd = np.empty((t, k // group), dtype=np.float32)

@@ -13,20 +13,23 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
 
 Numerics: the decoders (`gemmalite.kernels.ggml`) reproduce llama.cpp's dequantizers bit for
 bit, so products equal float32 math on the dequantized matrix up to summation order. One
-exception: decode (T=1) on Q8_0 and Q5_0 blocks with AVX2 rounds ``x`` to int16 per block of 32
-(step ``max|x| / 32767``, as gemmalite's own int8 decode; llama.cpp rounds it to 8 bits) and
-sums each block exactly with 16-bit SIMD multiply-adds (``simd.block_row_dot``).
+exception: decode rows (T <= FEW_ROWS) on Q8_0, Q5_0 and K-quant (Q4_K, Q5_K, Q6_K) blocks with
+AVX2 round ``x`` to int16 per block of 32 (step ``max|x| / 32767``, as gemmalite's own int8
+decode; llama.cpp rounds it to 8 bits) and sum each block or sub-block exactly with 16-bit SIMD
+multiply-adds (``simd.block_row_dot``, ``ggml.kquant_row_dot``); float types compute as
+`F32Matrix` / `HalfMatrix` do.
 """
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from ..kernels import common
-from ..kernels.ggml import FLOAT_TYPES, KERNELS, W, block_info, block_mvn_w8a16, row_bytes, type_name
-from ..kernels.simd import int16_activation_rows
+from ..kernels.ggml import FLOAT_TYPES, KERNELS, KQ_KINDS, W, block_info, row_bytes, type_name
 from .matrix import BF16, Matrix, Prepared, as_matrix
+from .operands import GGML_OPS, BlockOp, KQuantOp, run_product
 
 # The fused kernel is used for T <= FEW_ROWS input rows always, and up to FUSED_MAX_T rows while
 # x (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
@@ -128,9 +131,9 @@ class GGMLMatrix(Matrix):
         n_t = x2.shape[0]
         if self._float is not None:
             out = self._float.matmul(x2)
-        elif self._int16_rows() and 1 <= n_t <= common.FEW_ROWS:
-            out = self._rows_w8a16(x2)
-        elif self._k is not None and self._fused(n_t):
+        elif 1 <= n_t <= common.FEW_ROWS:  # decode rows: the operand's product (as `matmul_each`)
+            out = run_product(self.operand(), x2)
+        elif self._fused(n_t):
             out = np.empty((n_t, self.shape[0]), dtype=np.float32)
             big = self.shape[0] * self.shape[1] * max(1, n_t // 4) >= PARALLEL_MIN
             (self._k.matvec if big else self._k.matvec_serial)(self.raw, x2, out, W)
@@ -138,15 +141,19 @@ class GGMLMatrix(Matrix):
             out = self._blas(x2)
         return out[0] if squeeze else out
 
-    def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+    def _make_operand(self) -> Any:
+        """Decode rows (`Matrix.matmul_each`, the compiled step): float types as `F32Matrix` /
+        `HalfMatrix` take them; with AVX2, Q8_0 / Q5_0 and the K-quants (Q4_K, Q5_K, Q6_K) against int16
+        activations per 32 values (W8A16: exact integer sums per block or sub-block); other blocks
+        (and every block without AVX2) decoded a row at a time by the fused kernel, FEW_ROWS rows of x
+        per call."""
         if self._float is not None:
-            return self._float.matmul_each(x)
+            return self._float.operand()
         if self._int16_rows():
-            return self._rows_w8a16(x)
-        if self._k is not None:  # the fused kernel computes each row as it computes one
-            return self._each_in_chunks(x, common.FEW_ROWS)
-        return super().matmul_each(x)
+            return BlockOp(self.raw, self.qtype == "Q5_0")
+        if self.qtype in KQ_KINDS and common.HAVE_AVX2:
+            return KQuantOp(self.raw, KQ_KINDS[self.qtype])
+        return GGML_OPS[self.qtype](self.raw, self.shape[0] * self.shape[1] >= PARALLEL_MIN)
 
     def matmul_alike(self, x: np.ndarray) -> np.ndarray:
         return self._float.matmul_alike(x) if self._float is not None else super().matmul_alike(x)
@@ -159,13 +166,6 @@ class GGMLMatrix(Matrix):
 
     def _int16_rows(self) -> bool:
         return self.qtype in ("Q8_0", "Q5_0") and common.HAVE_AVX2
-
-    def _rows_w8a16(self, x: np.ndarray) -> np.ndarray:
-        """Rows of ``x``, each computed as alone, weights read once: Q8_0 / Q5_0 with int16 activations."""
-        xq, xd, _ = int16_activation_rows(x, 32)
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        block_mvn_w8a16(self.raw, xq, xd, self.qtype == "Q5_0", out)
-        return out
 
     def _fused(self, n_t: int) -> bool:
         return 0 < n_t and (n_t <= common.FEW_ROWS or (n_t <= FUSED_MAX_T and n_t * self.shape[1] <= FUSED_MAX_X))

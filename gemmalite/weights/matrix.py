@@ -21,7 +21,8 @@ import numpy as np
 
 from ..kernels import common
 from ..kernels.half import ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
-from ..kernels.numba_ops import f32_matmul_small, matmul_tiles
+from ..kernels.numba_ops import matmul_tiles
+from .operands import F32Op, HalfOp, products_each, run_product, with_kernel
 
 try:  # bfloat16 is only a storage format here; math is float32
     import ml_dtypes
@@ -152,9 +153,30 @@ class Matrix:
     def matmul_each(self, x: np.ndarray) -> np.ndarray:
         """``matmul`` of each row of ``x`` on its own: row ``i`` of the result equals
         ``matmul(x[i:i+1])`` exactly (the rounding of a one-token decode step), for a batch of
-        sequences decoding together. Formats whose one-row kernel serves several rows read the
-        weights once per call; this fallback reads them once per row."""
-        return np.concatenate([self.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        sequences decoding together. Formats with an `operand` run its product (the decode kernel,
+        which reads the weights once for all rows; the one code a compiled decode step runs too);
+        this fallback reads them once per row."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"x must be [T, {self.shape[1]}], got {x.shape}")
+        op = self.operand()
+        if op is None:
+            return np.concatenate([self.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        return run_product(op, x) if x.shape[0] else np.empty((0, self.shape[0]), np.float32)
+
+    def operand(self) -> Any:
+        """This matrix as compiled code takes it (`weights.operands`: the arrays and the choices of
+        its decode kernel, which depend on the CPU features `kernels.common` says, read now), or
+        None for a format without one."""
+        key = (common.HAVE_AVX2, common.HAVE_VNNI)
+        cached = self.__dict__.get("_operand")
+        if cached is None or cached[0] != key:
+            op = self._make_operand()
+            cached = self.__dict__["_operand"] = (key, None if op is None else with_kernel(op))
+        return cached[1]
+
+    def _make_operand(self) -> Any:
+        return None
 
     def matmul_alike(self, x: np.ndarray) -> np.ndarray:
         """``matmul`` whose row ``i`` depends on ``x[i]`` alone -- not on the other rows, their
@@ -163,10 +185,6 @@ class Matrix:
         Formats whose many-row kernel computes rows independently take it for any row count;
         this fallback is `matmul_each`."""
         return self.matmul_each(x)
-
-    def _each_in_chunks(self, x: np.ndarray, rows: int) -> np.ndarray:
-        """``matmul_each`` for formats whose few-row kernel computes each row as it computes one."""
-        return np.concatenate([self.matmul(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
 
     def dense(self) -> np.ndarray:
         """The whole matrix in float32 (tests and conversion only)."""
@@ -214,16 +232,15 @@ class F32Matrix(Matrix):
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim == 2 and x.shape[0] <= common.SHORT_ROWS and x.shape[1] == self.shape[1]:
-            out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
             if x.shape[0] <= common.FEW_ROWS:
-                f32_matmul_small(x, self.w, out)
-            else:
-                matmul_tiles(x, self.w, out)
+                return run_product(self.operand(), x)
+            out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+            matmul_tiles(x, self.w, out)
             return out
         return x @ self.w.T
 
-    def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        return self._each_in_chunks(x, common.FEW_ROWS)
+    def _make_operand(self) -> F32Op:
+        return F32Op(self.w)
 
     def matmul_alike(self, x: np.ndarray) -> np.ndarray:
         """The numba tiles for any row count (each row summed on its own, never BLAS)."""
@@ -290,6 +307,8 @@ class HalfMatrix(Matrix):
 
     def matmul_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
         x = p.x if isinstance(p, Prepared) else self._check(p)
+        if 0 < x.shape[0] <= common.FEW_ROWS:
+            return run_product(self.operand(), x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         if isinstance(p, Prepared) and p.kind == "bf16" and self._dot(x.shape[0]):
             bf16_matmul(p.data, self._bits, out)
@@ -300,11 +319,8 @@ class HalfMatrix(Matrix):
     def _rows_per_task(self, t: int) -> int:
         return 1 if t <= common.FEW_ROWS and self.shape[1] <= ONE_ROW_COLS else ROWS
 
-    def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        x = self._check(x)
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
-        return out
+    def _make_operand(self) -> HalfOp:
+        return HalfOp(self._bits, bool(self._bf16), self.shape[1] <= ONE_ROW_COLS)
 
     def __repr__(self):
         return f"HalfMatrix{self.shape}({'bfloat16' if self._bf16 else 'float16'})"
@@ -312,11 +328,23 @@ class HalfMatrix(Matrix):
 
 def matmul_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
     """``[m.matmul(x) for m in mats]`` with the input converted once (q/k/v, gate/up: int8's
-    int16 rounding of a prefill input is then done once, not per matrix)."""
+    int16 rounding of a prefill input is then done once, not per matrix); one row (a decode
+    step) as `matmul_each_all`."""
+    if x.shape[0] == 1:
+        return matmul_each_all(mats, x)
     if len(mats) == 1:
         return [mats[0].matmul(x)]
     p = mats[0].prepare(x)
     return [m.matmul_prepared(p) for m in mats]
+
+
+def matmul_each_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
+    """``[m.matmul_each(x) for m in mats]``; products of the integer-SIMD formats in one parallel
+    region (`operands.products_each`: what the compiled decode step runs)."""
+    ops = [m.operand() for m in mats]
+    if any(op is None for op in ops):
+        return [m.matmul_each(x) for m in mats]
+    return products_each(ops, np.ascontiguousarray(x, dtype=np.float32))
 
 
 def as_matrix(w: np.ndarray, *, keep_half: bool = False) -> Matrix:

@@ -66,14 +66,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import common
-from ..kernels.int4s import activation_pairs, i4s_fit, i4s_matvec, i4s_mm_w4a8, i4s_pack, token_groups
+from ..kernels.int4s import activation_pairs, i4s_fit, i4s_mm_w4a8, i4s_pack, token_groups
 from ..kernels.quant import (
     group_sums,
     i4_dequant_ids,
     i4_dequant_range,
     i4_mv1,
     i4_mv4,
-    i4_mvn_w4a16,
     i4_pack,
     i4_quantize,
     i8_block_corr,
@@ -83,13 +82,13 @@ from ..kernels.quant import (
     i8_mm_w8a16,
     i8_mv1,
     i8_mv4,
-    i8_mvn_w8a16,
     i8_quantize,
     round_int16_rows,
     round_u8_rows,
 )
-from ..kernels.simd import TILE_BLOCK, U8_BLOCK, int16_activation_rows
+from ..kernels.simd import TILE_BLOCK, U8_BLOCK
 from .matrix import Matrix, Prepared
+from .operands import Int4aOp, Int4RowsOp, Int4sOp, Int8Op, Int8RowsOp, run_product
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
 
@@ -227,17 +226,13 @@ class Int8Matrix(_Quantized):
                 return self._matmul_blocked(x)
             return self._matmul_w8a8(x) if common.HAVE_VNNI else self._matmul_w8a16(x)
         if self._int16_rows():
-            return self._rows_w8a16(x)
+            return run_product(self.operand(), x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 1:
             i8_mv1(self.q, self.scale, x, out)
         elif t > 1:
             i8_mv4(self.q, self.scale, x, out)
         return out
-
-    def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        x = _check_x(x, self.shape[1])
-        return self._rows_w8a16(x) if self._int16_rows() else super().matmul_each(x)
 
     def matmul_alike(self, x: np.ndarray) -> np.ndarray:
         """The int16-activation prefill tiles for any row count where the width takes them (each
@@ -254,17 +249,17 @@ class Int8Matrix(_Quantized):
     def _int16_rows(self) -> bool:
         return common.HAVE_AVX2 and self.shape[1] % 32 == 0
 
-    def _rows_w8a16(self, x: np.ndarray) -> np.ndarray:
-        """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W8A16).
-        x goes in int16 per TILE_BLOCK values where the width allows (the prefill tiles'
-        `int8_tile_dot`: one float conversion per 256 products instead of per 32, which a batch
-        of sequences, bound by the multiply-adds, feels: E2B steps of 8 rows 10-20 % faster), else
-        per 32 (`int8_rows_dot`); the rounding error is negligible either way (~1e-3 of the int8
-        weights' own logit error on Gemma 3 270M)."""
-        xq, xd, _ = int16_activation_rows(x, TILE_BLOCK if self.shape[1] % TILE_BLOCK == 0 else 32)
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        i8_mvn_w8a16(self.q, self.scale, xq, xd, _rows_per_task(x.shape[0], self.shape[1]), out)
-        return out
+    def _make_operand(self) -> Int8Op | Int8RowsOp:
+        """Decode rows (`run_product`): with AVX2, x in int16 per TILE_BLOCK values where the width
+        allows (the prefill tiles' `int8_tile_dot`: one float conversion per 256 products instead of
+        per 32, which a batch of sequences, bound by the multiply-adds, feels: E2B steps of 8 rows
+        10-20 % faster), else per 32 (`int8_rows_dot`), weights read once for all rows (W8A16); the
+        rounding error is negligible either way (~1e-3 of the int8 weights' own logit error on
+        Gemma 3 270M). Without AVX2, the portable float kernel row by row."""
+        k = self.shape[1]
+        if self._int16_rows():
+            return Int8Op(self.q, self.scale, TILE_BLOCK if k % TILE_BLOCK == 0 else 32, k >= LONG_ROW_SIMD)
+        return Int8RowsOp(self.q, self.scale, k >= LONG_ROW)
 
     def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
         """Prefill input: rounded once (int8 on VNNI, else int16) for every matrix it multiplies
@@ -448,7 +443,7 @@ class Int4Matrix(_Quantized):
         if self.uses_blas_for(t):
             return self._matmul_blocked(x)
         if common.HAVE_AVX2:
-            return self._rows_w4a8(x) if self.symmetric else self._rows_w4a16(x)
+            return run_product(self.operand(), x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if t == 0:
             return out
@@ -459,12 +454,6 @@ class Int4Matrix(_Quantized):
         else:
             i4_mv4(self.packed, self._s16, self._m16, x, xs, self.group, out, self.symmetric)
         return out
-
-    def matmul_each(self, x: np.ndarray) -> np.ndarray:
-        x = _check_x(x, self.shape[1])
-        if not common.HAVE_AVX2:
-            return super().matmul_each(x)
-        return self._rows_w4a8(x) if self.symmetric else self._rows_w4a16(x)
 
     def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
         """Prefill input: rounded once for every matrix it multiplies (q/k/v, gate/up)."""
@@ -489,35 +478,20 @@ class Int4Matrix(_Quantized):
                         common.HAVE_VNNI, out)
         return out[:t]
 
-    def _rows_w4a8(self, x: np.ndarray) -> np.ndarray:
-        """Rows of ``x``, each computed as alone, weights read once: the symmetric decode kernel,
-        x in int8 per 32 values (W4A8; 8-bit dot products on VNNI, else AVX2's 8-bit multiply-add)."""
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        # (tiles of 4 weight rows only for many activation rows: long rows stream faster one at a time here)
-        i4s_matvec(self.packed, self._s16, x, 4 if x.shape[0] >= FOUR_ROW_TILES else 1, common.HAVE_VNNI, out)
-        return out
-
-    def _rows_w4a16(self, x: np.ndarray) -> np.ndarray:
-        """Rows of ``x``, each computed as alone, weights read once: the decode kernel (W4A16)."""
-        xq, xd, xs = int16_activation_rows(x, self.group)
-        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
-        i4_mvn_w4a16(self.packed, self._s16, self._m16, xq, xd, xs, self.group,
-                     _rows_per_task(x.shape[0], self.shape[1]), out)
-        return out
+    def _make_operand(self) -> Int4sOp | Int4aOp | Int4RowsOp:
+        """Decode rows (`run_product`), each computed as alone, weights read once: with AVX2 the
+        symmetric kernel with x in int8 per 32 values (W4A8; 8-bit dot products on VNNI, else AVX2's
+        8-bit multiply-add; tiles of 4 weight rows only for many activation rows: long rows stream
+        faster one at a time here) or the asymmetric one with x in int16 per group (W4A16); without
+        AVX2, the portable float kernel row by row."""
+        if not common.HAVE_AVX2:
+            return Int4RowsOp(self.packed, self._s16, self._m16, self.group, self.symmetric)
+        if self.symmetric:
+            return Int4sOp(self.packed, self._s16, common.HAVE_VNNI)
+        return Int4aOp(self.packed, self._s16, self._m16, self.group, self.shape[1] >= LONG_ROW_SIMD)
 
     def __repr__(self):
         return f"Int4Matrix{self.shape}({'symmetric' if self.symmetric else f'group={self.group}'})"
-
-
-FOUR_ROW_TILES = 8  # from this many activation rows on (the 16-bit multiply-adds bound the step, not the
-# weight stream), tiles of 4 weight rows, which share each activation load. Measured on E2B, decode_batch
-# step ms with 4-row tiles from 2 rows on / from 4 / never: B=2 152/102/105, B=4 167/175/145,
-# B=8 285/287/297 (fewer, scattered streams read the weights faster while that bounds the step).
-
-
-def _rows_per_task(t: int, k: int) -> int:
-    """Weight rows per task of the int16-activation kernels (see LONG_ROW_SIMD)."""
-    return 4 if t >= FOUR_ROW_TILES or k >= LONG_ROW_SIMD else 1
 
 
 def _check_group(k: int, group: int) -> None:

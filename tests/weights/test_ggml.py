@@ -7,6 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from gemmalite.kernels import common
 from gemmalite.kernels import ggml as ggml_kernels
 from gemmalite.kernels.common import HAVE_AVX2
 from gemmalite.kernels.ggml import block_info
@@ -40,15 +41,18 @@ def reference(raw: np.ndarray, name: str) -> np.ndarray:
     return quants.dequantize(raw, Q[name]).reshape(raw.shape[0], -1).astype(np.float32)
 
 
+W8A16 = ("Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")  # decode rows (AVX2) against int16 activations per 32 values
+
+
 def close_to_f64(y: np.ndarray, x: np.ndarray, w: np.ndarray, name: str = "") -> None:
     """float32 accumulation error bound: |y - x@w.T| <= 1e-5 * (|x| @ |w|.T) (+ denormal slack),
-    plus, where decode rounds x to int16 per 32 values (Q8_0 / Q5_0, one row, AVX2), half a
+    plus, where decode rounds x to int16 per 32 values (W8A16: up to FEW_ROWS rows, AVX2), half a
     rounding step per value: |w| @ (max|x| per 32 / 32767 / 2)."""
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     ref = x64 @ w64.T
     bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-30
-    if name in ("Q8_0", "Q5_0") and x.shape[0] == 1 and HAVE_AVX2:
-        step = np.repeat(np.abs(x64.reshape(-1, 32)).max(1) / 32767 / 2, 32)[None, :]
+    if name in W8A16 and x.shape[0] <= common.FEW_ROWS and common.HAVE_AVX2:
+        step = np.repeat(np.abs(x64.reshape(x.shape[0], -1, 32)).max(2) / 32767 / 2, 32, axis=1)
         bound += step @ np.abs(w64).T
     assert np.all(np.abs(y - ref) <= bound), float(np.max(np.abs(y - ref) / bound))
 
@@ -72,6 +76,29 @@ def test_matmul_is_float32_math_on_dequantized_weights(name, t):
     y = GGMLMatrix(raw, name, (ROWS, COLS)).matmul(x)
     assert y.shape == (t, ROWS) and y.dtype == np.float32
     close_to_f64(y, x, w, name)
+
+
+@pytest.mark.skipif(not HAVE_AVX2, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("name", W8A16)
+def test_w8a16_decode_is_exact_math_on_rounded_activations(name):
+    """Decode rows (W8A16) are float64 math on the reference dequantizer's weights and the
+    activations as rounded (int16 per 32 values, `simd.int16_activation_rows`) to float32
+    accumulation error: the integer block / sub-block sums are exact, whatever their scales and
+    mins. Several rows at once (a batch, up to 9) give each row bit for bit its one-row result."""
+    from gemmalite.kernels.simd import int16_activation_rows
+
+    raw = make_raw(name, seed=6)
+    w = reference(raw, name).astype(np.float64)
+    m = GGMLMatrix(raw, name, (ROWS, COLS))
+    x = (np.random.default_rng(8).standard_normal((9, COLS)) * 3).astype(np.float32)
+    xq, xd, _ = int16_activation_rows(x, 32)
+    xr = (xq.astype(np.float64).reshape(9, -1, 32) * xd.astype(np.float64)[:, :, None]).reshape(9, COLS)
+    y = m.matmul_each(x)
+    bound = 1e-5 * (np.abs(xr) @ np.abs(w).T) + 1e-30
+    assert np.all(np.abs(y - xr @ w.T) <= bound), float(np.max(np.abs(y - xr @ w.T) / bound))
+    for t in range(9):
+        assert np.array_equal(m.matmul(x[t : t + 1]), y[t : t + 1])
+    assert np.array_equal(m.matmul(x[:4]), y[:4])
 
 
 @pytest.mark.parametrize("name", QUANT)

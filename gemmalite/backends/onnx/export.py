@@ -221,7 +221,7 @@ class _Builder:
         return y if w is None else self.op("Mul", y, self.weight(name, np.asarray(w, np.float32)))
 
     def gelu_mul(self, a: str, b: str) -> str:
-        """``gelu_tanh(a) * b``, in the CPU kernels' order of operations."""
+        """``gelu_tanh(a) * b`` in its tanh form (the CPU kernel computes the same function as ``a * sigmoid(2u)``)."""
         cube = self.op("Mul", self.op("Mul", a, a), a)
         inner = self.op("Mul", self.op("Add", self.op("Mul", cube, self.const(0.044715)), a),
                         self.const(0.7978845608028654))

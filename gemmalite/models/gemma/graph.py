@@ -19,7 +19,8 @@ from ...errors import ContextError
 from ...kernels import common
 from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from ...runtime.cache import SPARE_SLOTS, KVRing, KVState
-from ...weights.matrix import Matrix, matmul_all
+from ...weights.matrix import Matrix, matmul_all, matmul_each_all
+from .compiled import CompiledLayers
 from .config import ModelConfig
 from .contract import PROJECTIONS
 
@@ -69,6 +70,8 @@ class DecoderGraph:
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
         # one thread pool per prefill: numba attention only if no product goes to BLAS
         self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
+        self.compiled_step = True  # decode steps run `compiled.decode_layer` where they qualify (tests compare both)
+        self._compiled = CompiledLayers(cfg, layers)
 
     def new_state(self, context: int) -> KVState:
         """Empty caches: ``sliding_window + SPARE_SLOTS`` entries per sliding layer, ``context`` per full layer."""
@@ -162,6 +165,10 @@ class DecoderGraph:
         ple = self._ple_inputs(h, ple_rows, each) if self.ple is not None else None
         ropes = {r: rope_tables(f, pos) for r, f in self._inv_freq.items()}
         rows = np.arange(h.shape[0]) if rows is None else rows
+        if self._compiles(groups, h.shape[0], rows, capture, each):
+            counts = [len(range(*g.rows.indices(h.shape[0]))) for g in groups]
+            h = self._compiled.run([g.state for g in groups], counts, h, ple, pos, ropes)
+            return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         if capture is not None:
             capture.append(h.copy())
         for spec, w in zip(cfg.layers, self.layers):
@@ -178,6 +185,15 @@ class DecoderGraph:
                 capture.append(h.copy())
         h = h[rows] if len(rows) < h.shape[0] else h
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def _compiles(self, groups: list["_Group"], n: int, rows: np.ndarray, capture: list | None, each) -> bool:
+        """Does this call take the compiled step? A decode step (each row as alone, or one row)
+        of at most FEW_ROWS rows per sequence, every output row kept, no capture, every matrix
+        with an operand."""
+        if not self.compiled_step or capture is not None or len(rows) != n or not (each is True or n == 1):
+            return False
+        counts = [len(range(*g.rows.indices(n))) for g in groups]
+        return self._compiled.takes(counts) and self._compiled.ops() is not None
 
     def _ple_inputs(self, x0: np.ndarray, tok_rows: np.ndarray, each=False) -> np.ndarray:
         """``(rms(x0·W_projᵀ·H^-½ per layer slice) + token rows) · 2^-½`` → ``[T, L, P]``."""
@@ -309,9 +325,12 @@ def _mm_parts(m: Matrix, x: np.ndarray, parts: list[slice]) -> np.ndarray:
 
 def _mm_all(mats: list[Matrix], x: np.ndarray, each: "bool | list[slice] | str") -> list[np.ndarray]:
     """Products of one input (q/k/v, gate/up) as `_mm` gives them; a plain product shares the
-    input's conversion between the matrices (`matmul_all`)."""
+    input's conversion between the matrices (`matmul_all`), rows as alone share a parallel region
+    where the format allows (`matmul_each_all`, as the compiled step)."""
     if each is False:
         return matmul_all(mats, x)
+    if each is True:
+        return matmul_each_all(mats, x)
     return [_mm(m, x, each) for m in mats]
 
 
