@@ -32,7 +32,7 @@ from ..kernels.half import ROWS as HALF_ROWS
 from ..kernels.half import half_matmul
 from ..kernels.int4s import ROW_BLOCK, activation_pairs, i4s_mvn_w4a8, i4s_task
 from ..kernels.numba_ops import f32_matmul_small
-from ..kernels.quant import group_sums, i4_mv1, i4_mvn_w4a16, i8_mv1, i8_mv1_rows4, i8_mvn_w8a16, i8_w8a16_task
+from ..kernels.quant import group_sums, i4_mv1, i4_mvn_w4a16, i8_mv1, i8_mvn_w8a16, i8_w8a16_task
 from ..kernels.simd import int16_activation_rows
 
 FEW = common.FEW_ROWS
@@ -73,11 +73,10 @@ class Int8Op(NamedTuple):
 
 
 class Int8RowsOp(NamedTuple):
-    """int8 without AVX2: the portable float kernel on each row (``long``: `i8_mv1_rows4`)."""
+    """int8 without AVX2: the portable float kernel (`i8_mv1`) on each row."""
 
     q: np.ndarray
     scale: np.ndarray
-    long: bool
     addr: int = 0  # run_product's Kernel for this operand (`with_kernel`): a compiled step calls it
     sig: int = 0
 
@@ -191,10 +190,7 @@ def _product(op, x):
         def int8_rows(op, x):
             out = np.empty((x.shape[0], op.q.shape[0]), np.float32)
             for t in range(x.shape[0]):
-                if op.long:
-                    i8_mv1_rows4(op.q, op.scale, x[t : t + 1], out[t : t + 1])
-                else:
-                    i8_mv1(op.q, op.scale, x[t : t + 1], out[t : t + 1])
+                i8_mv1(op.q, op.scale, x[t : t + 1], out[t : t + 1])
             return out
         return int8_rows
     if c is Int4sOp:

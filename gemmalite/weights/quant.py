@@ -259,7 +259,7 @@ class Int8Matrix(_Quantized):
         k = self.shape[1]
         if self._int16_rows():
             return Int8Op(self.q, self.scale, TILE_BLOCK if k % TILE_BLOCK == 0 else 32, k >= LONG_ROW_SIMD)
-        return Int8RowsOp(self.q, self.scale, k >= LONG_ROW)
+        return Int8RowsOp(self.q, self.scale)
 
     def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
         """Prefill input: rounded once (int8 on VNNI, else int16) for every matrix it multiplies
