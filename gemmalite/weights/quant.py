@@ -53,9 +53,9 @@ rows, weights read once for all T columns). Larger T (prefill): int8 runs intege
 VNNI (``common.HAVE_VNNI``) the activations are rounded to int8 per TILE_BLOCK values (W8A8:
 step ``max|x| / 127``, about the weights' own error) and tiles of 8 rows x 2 tokens take 8-bit
 dot products (``simd.u8_tile_dot``, ~550-680 GOP/s here); otherwise tiles of 4 rows x 2 tokens
-with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s, 2-3x the float32 BLAS path); int4,
-and CPUs without AVX2, dequantize row blocks into one
-reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
+with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s, 2-3x the float32 BLAS path);
+symmetric int4 runs W4A8 tiles (``kernels.int4s``); asymmetric int4 and CPUs without AVX2
+dequantize row blocks into one reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
 machine both int8 and int4 decode run near memory bandwidth (the portable float int4 kernel
 is bound by nibble unpacking at ~6 GB/s). Thread pools: numba's OpenMP workers and
 OpenBLAS's workers each spin after a call; the engine keeps them from overlapping (no BLAS
