@@ -22,7 +22,8 @@ import numpy as np
 from ...errors import CheckpointError, ConfigError, InputError
 from ...kernels.ops import attention, rms_norm, rope_tables
 from ...runtime.cache import KVState
-from ...weights.matrix import Matrix
+from ...runtime.threads import compute
+from ...weights.matrix import Matrix, as_matrix
 from .build import build_weights, matrix_factory
 from .config import FULL, SLIDING, ModelConfig, _int
 from .contract import check_tensors, expected_shapes
@@ -134,8 +135,10 @@ class Assistant:
         c = self.centroids.matmul(h)[0]
         top = np.argpartition(-c, self.cfg.top_k - 1)[: self.cfg.top_k]
         ids = self.ordering[top].reshape(-1)
-        rows = self.by_centroid[top].reshape(ids.size, -1).astype(np.float32)
-        return ids, rows @ h[0]
+        # the candidate rows as stored, through the numba product (no float32 copy, no BLAS call:
+        # OpenBLAS's threads would spin on into the target's next step)
+        rows = as_matrix(self.by_centroid[top].reshape(ids.size, -1), keep_half=True)
+        return ids, rows.matmul(h)[0]
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """Full-vocabulary logits ``[V]`` as transformers gives them (the centroid head's
@@ -217,8 +220,9 @@ class MTPDrafter:
         kv = self._kv(state)
         if kv is None:
             raise InputError("the state's sliding K/V no longer holds the window the drafter reads")
-        h, nxt = self.assistant.forward(self._input(token, hidden), state.length, kv)
-        return self.assistant.logits(h), nxt[0]
+        with compute(self.engine.threads):
+            h, nxt = self.assistant.forward(self._input(token, hidden), state.length, kv)
+            return self.assistant.logits(h), nxt[0]
 
     def draft(self, state: KVState, token: int, hidden: np.ndarray, k: int) -> list[int]:
         """``k`` greedy drafts after ``token`` (chained steps at the fixed position); [] where the
@@ -227,9 +231,10 @@ class MTPDrafter:
         if kv is None:
             return []
         out: list[int] = []
-        for _ in range(k):
-            h, hidden = self.assistant.forward(self._input(token, hidden), state.length, kv)
-            token = self.assistant.top_token(h)
-            out.append(token)
+        with compute(self.engine.threads):  # the engine's thread count and lock, as its steps
+            for _ in range(k):
+                h, hidden = self.assistant.forward(self._input(token, hidden), state.length, kv)
+                token = self.assistant.top_token(h)
+                out.append(token)
         return out
 
