@@ -52,38 +52,30 @@ def main() -> None:
     stats: dict = collections.defaultdict(lambda: [0, 0.0, 0])
     depth = [0]  # only the outermost product counts (a fallback matmul_each calls matmul)
 
-    def timed_all(mats, x, _orig=graph.matmul_each_all):  # q/k/v, gate/up: one region where the format fuses them
-        depth[0] += 1
-        t = time.perf_counter()
-        try:
-            return _orig(mats, x)
-        finally:
-            depth[0] -= 1
-            if depth[0] == 0 and x.shape[0] <= a.batch:
-                s = stats[("+".join(type(w).__name__ for w in mats), tuple(w.shape for w in mats))]
-                s[0] += 1
-                s[1] += time.perf_counter() - t
-                s[2] = sum(w.nbytes for w in mats)
-    graph.matmul_each_all = timed_all
+    def timed(orig, key_of):
+        """``orig(*w, x)`` timed under ``key_of(*w)`` = (stats key, bytes of weights read)."""
+        def call(*args):
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return orig(*args)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0 and args[-1].shape[0] <= a.batch:
+                    key, nbytes = key_of(*args[:-1])
+                    s = stats[key]
+                    s[0] += 1
+                    s[1] += time.perf_counter() - t
+                    s[2] = nbytes
+        return call
+
+    # q/k/v, gate/up: one region where the format fuses them
+    graph.matmul_each_all = timed(graph.matmul_each_all, lambda mats: (
+        ("+".join(type(w).__name__ for w in mats), tuple(w.shape for w in mats)), sum(w.nbytes for w in mats)))
     for cls in (quant.Int8Matrix, quant.Int4Matrix, matrix.F32Matrix, matrix.HalfMatrix, ggml.GGMLMatrix):
         for meth in ("matmul", "matmul_each"):
-            orig = cls.__dict__.get(meth)
-            if orig is None:
-                continue
-
-            def timed(self, x, _orig=orig):
-                depth[0] += 1
-                t = time.perf_counter()
-                try:
-                    return _orig(self, x)
-                finally:
-                    depth[0] -= 1
-                    if depth[0] == 0 and x.shape[0] <= a.batch:
-                        s = stats[(type(self).__name__, self.shape)]
-                        s[0] += 1
-                        s[1] += time.perf_counter() - t
-                        s[2] = self.nbytes
-            setattr(cls, meth, timed)
+            if meth in cls.__dict__:
+                setattr(cls, meth, timed(cls.__dict__[meth], lambda w: ((type(w).__name__, w.shape), w.nbytes)))
     engine = m.engine
     states = [engine.new_state() for _ in range(a.batch)]
     toks = []
