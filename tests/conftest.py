@@ -36,6 +36,23 @@ def gl():
     return gemmalite
 
 
+@pytest.fixture
+def w8a8_weights(monkeypatch):
+    """The ids of the int8 weight arrays the VNNI W8A8 prefill kernel ran on during the test (a
+    spy on `weights.quant.i8_mm_w8a8`): which matrices took int8 activations."""
+    from gemmalite.weights import quant
+
+    seen: set[int] = set()
+    kernel = quant.i8_mm_w8a8
+
+    def spy(q, *args):
+        seen.add(id(q))
+        return kernel(q, *args)
+
+    monkeypatch.setattr(quant, "i8_mm_w8a8", spy)
+    return seen
+
+
 def random_ids(n: int, vocab: int, seed: int = 0, low: int = 5) -> list[int]:
     """``n`` random token ids in ``[low, vocab)`` (no pad/eos/bos/unk/mask)."""
     return [int(i) for i in np.random.RandomState(seed).randint(low, vocab, size=n)]

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import AudioError, ConfigError
+from ..kernels.numba_ops import banded_attention
 from ..kernels.ops import rms_norm
 from ..models.gemma.build import QUANT_KINDS, matrix_factory
 from ..weights.clipped import CLIP_KEYS, Linear
@@ -287,22 +288,12 @@ class AudioTower:
         q = layer.q(h).reshape(t, nh, d) * layer.q_scale
         k = layer.k(h).reshape(t, nh, d) * k_scale
         v = layer.v(h).reshape(t, nh, d)
-        # the band: window slot w holds key t - (band - 1) + w, at distance band - 1 - w
-        kp = np.concatenate([np.zeros((band - 1, nh, d), np.float32), k])
-        vp = np.concatenate([np.zeros((band - 1, nh, d), np.float32), v])
+        # window slot w holds key t - (band - 1) + w, at distance band - 1 - w
         rel = np.matmul(q.transpose(1, 0, 2), layer.relative.transpose(1, 2, 0))  # [nh, t, distances]
-        s = np.empty((t, nh, band), np.float32)
-        for w in range(band):
-            s[:, :, w] = np.einsum("thd,thd->th", q, kp[w:w + t]) + rel[:, :, band - 1 - w].T
-        cap = np.float32(cfg.attention_logit_cap)
-        s = np.tanh(s / cap) * cap
-        for w in range(band - 1):  # keys before the clip's start
-            s[:band - 1 - w, :, w] = np.float32(cfg.attention_invalid_logits_value)
-        s = np.exp(s - s.max(-1, keepdims=True))
-        s /= s.sum(-1, keepdims=True)
-        out = np.zeros((t, nh, d), np.float32)
-        for w in range(band):
-            out += s[:, :, w, None] * vp[w:w + t]
+        rel = np.ascontiguousarray(rel[:, :, band - 1::-1])  # slot order
+        out = np.empty((t, nh, d), np.float32)
+        banded_attention(np.ascontiguousarray(q), np.ascontiguousarray(k), v, rel,
+                         np.float32(cfg.attention_logit_cap), np.float32(cfg.attention_invalid_logits_value), out)
         return layer.post(out.reshape(t, nh * d))
 
     def _light_conv(self, layer: AudioLayer, x: np.ndarray, g: float) -> np.ndarray:

@@ -510,3 +510,41 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
             inv = np.float32(1.0) / tot[r] if tot[r] > 0 else np.float32(0.0)
             for d in range(D):
                 out[t0 + r, h * D + d] = acc[r, d] * inv
+
+
+@njit(parallel=True, **FAST)
+def banded_attention(q, k, v, rel, cap, invalid, out):  # pragma: no cover - compiled
+    """Local attention over a band: query ``t`` sees keys ``t - band + 1 .. t`` (``band`` =
+    ``rel.shape[2]``; keys before 0 are masked with the logit ``invalid``), as the Gemma 4 audio
+    tower's chunked attention amounts to. Logit of window slot ``w`` (key ``t - band + 1 + w``):
+    ``cap * tanh((q . k + rel[h, t, w]) / cap)``; softmax over the band; ``out [T, H, D]`` the
+    weighted sum of the values, slot by slot. ``q``, ``k``, ``v`` ``[T, H, D]`` (scaled as the tower
+    scales them), ``rel [H, T, band]`` (the relative-position term, slot order). One task per
+    query row; dots by `dot_tile` (fixed order)."""
+    T, H, D = q.shape
+    band = rel.shape[2]
+    for t in prange(T):
+        s = np.empty(band, np.float32)
+        for h in range(H):
+            m = np.float32(-np.inf)
+            for w in range(band):
+                kt = t - band + 1 + w
+                if kt < 0:
+                    s[w] = invalid
+                else:
+                    x = (dot_tile((q[t, h],), (k[kt, h],))[0] + rel[h, t, w]) / cap
+                    s[w] = np.tanh(x) * cap
+                m = max(m, s[w])
+            tot = np.float32(0.0)
+            for w in range(band):
+                s[w] = np.exp(s[w] - m)
+                tot += s[w]
+            o = out[t, h]
+            o[:] = 0
+            for w in range(band):
+                kt = t - band + 1 + w
+                if kt >= 0:
+                    p = s[w] / tot
+                    vr = v[kt, h]
+                    for d in range(D):
+                        o[d] += p * vr[d]

@@ -8,7 +8,7 @@ from numba import njit, prange
 
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, nibbles, prefetch
 from .fdot import dot_tile, lane_sum
-from .simd import TILE_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_tile_dot
+from .simd import TILE_BLOCK, U8_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_lane_corr, u8_tile_dot
 
 _JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
 
@@ -138,7 +138,7 @@ PREFETCH_STRIPS = 4  # int8 prefill: 4-row strips ahead whose weights are prefet
 
 @njit(parallel=True, **_FAST)
 def i8_mm_w8a16(q, scale, xq, xd, out):
-    """Prefill with int16 activations: tiles of 4 rows x 2 tokens (``int8_tile_dot``), each
+    """Prefill with int16 activations: tiles of 4 rows x 3 tokens (``int8_tile_dot``), each
     task one 4-row strip against all tokens (the strip stays in L1, x in L2), the strip
     PREFETCH_STRIPS ahead prefetched (weights stream from memory; with a short input the
     hardware prefetcher alone leaves the tiles waiting)."""
@@ -150,10 +150,13 @@ def i8_mm_w8a16(q, scale, xq, xd, out):
         for off in range(0, min(4 * k, n * k - ahead), 64):
             prefetch(q, ahead + off)
         if r + 4 <= n:
-            for t in range(0, t_all - 1, 2):
-                int8_tile_dot(q, xq, xd, r, t, out, 4, 2)
-            if t_all % 2:
-                int8_tile_dot(q, xq, xd, r, t_all - 1, out, 4, 1)
+            t = 0
+            while t + 3 <= t_all:
+                int8_tile_dot(q, xq, xd, r, t, out, 4, 3)
+                t += 3
+            while t < t_all:
+                int8_tile_dot(q, xq, xd, r, t, out, 4, 1)
+                t += 1
         else:
             for i in range(r, n):
                 for t in range(t_all):
@@ -161,18 +164,6 @@ def i8_mm_w8a16(q, scale, xq, xd, out):
         for t in range(t_all):
             for i in range(r, min(n, r + 4)):
                 out[t, i] *= scale[i]
-
-
-@njit(parallel=True, **_JIT)
-def i8_block_corr(q, block, corr):
-    """``corr[b, r] = -128 * sum(q[r, b*block : (b+1)*block])``: what the +128 offset of the
-    uint8 activations adds to a block's dot product (`i8_mm_w8a8`), once per matrix."""
-    for r in prange(q.shape[0]):
-        for b in range(corr.shape[0]):
-            s = 0
-            for j in range(b * block, b * block + block):
-                s += q[r, j]
-            corr[b, r] = -128 * s
 
 
 @njit(parallel=True, **_FAST)
@@ -184,24 +175,32 @@ def round_u8_rows(x, xu, xd):
 
 
 @njit(parallel=True, **_FAST)
-def i8_mm_w8a8(q, corr, scale, xu, xd, t_lo, t_hi, out):
-    """Prefill with int8 activations on VNNI (``u8_tile_dot``): tiles of 8 rows x 2 tokens over
-    tokens ``t_lo .. t_hi - 1``, each task one 8-row strip against those tokens (the strip stays
-    in L1, the tokens' activations in L2). Rows past the last whole strip go one at a time."""
+def i8_mm_w8a8(q, scale, xu, xd, t_lo, t_hi, out):
+    """Prefill with int8 activations on VNNI (``u8_tile_dot``): tiles of 4 rows x 3 tokens over
+    tokens ``t_lo .. t_hi - 1`` (24 accumulators and 7 loaded vectors: all of AVX-512's 32
+    registers, no spills), each task one 4-row strip against those tokens (the strip stays in
+    L1, the tokens' activations in L2). Tokens past the last whole tile go one at a time, rows
+    past the last whole strip too; every tile computes a pair the same way. Each strip first
+    takes its lanes' offset terms (`u8_lane_corr`, the cost of one token)."""
     n = q.shape[0]
-    for b in prange((n + 7) // 8):
-        r = 8 * b
-        if r + 8 <= n:
+    nkb = q.shape[1] // U8_BLOCK
+    for b in prange((n + 3) // 4):
+        r = 4 * b
+        lc = np.empty((nkb, 4, 8), dtype=np.int32)
+        if r + 4 <= n:
+            u8_lane_corr(q, r, lc, 4)
             t = t_lo
-            while t + 2 <= t_hi:
-                u8_tile_dot(q, corr, xu, xd, r, t, out, scale, 8, 2)
-                t += 2
-            if t < t_hi:
-                u8_tile_dot(q, corr, xu, xd, r, t, out, scale, 8, 1)
+            while t + 3 <= t_hi:
+                u8_tile_dot(q, lc, xu, xd, r, t, out, scale, 4, 3)
+                t += 3
+            while t < t_hi:
+                u8_tile_dot(q, lc, xu, xd, r, t, out, scale, 4, 1)
+                t += 1
         else:
             for i in range(r, n):
+                u8_lane_corr(q, i, lc, 1)
                 for t in range(t_lo, t_hi):
-                    u8_tile_dot(q, corr, xu, xd, i, t, out, scale, 1, 1)
+                    u8_tile_dot(q, lc, xu, xd, i, t, out, scale, 1, 1)
 
 
 @njit(**_JIT)

@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 from .common import FAST, half_to_f32_ir
 
 __all__ = ["int16_activation_rows", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
-           "u8_tile_dot", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
+           "u8_tile_dot", "u8_lane_corr", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())
@@ -270,8 +270,8 @@ def _tile_dot_codegen(rt: int, tt: int):
 
     Per block of TILE_BLOCK values: ``rt * tt`` exact int32 sums with ``vpmaddwd`` (16 products
     each; <= 16 * 2 * 127 * 32767 per lane, no overflow), converted once to float32 and scaled
-    by the token's block scale into eight float32 lanes; one horizontal sum per (row, token) at
-    the end. Each weight chunk is loaded once for the tile's ``tt`` tokens and each activation
+    by the token's block scale into eight float32 lanes; at the end the lanes of every (row,
+    token) pair are folded by one transposing tree (`_lane_sums`, the same order for every pair). Each weight chunk is loaded once for the tile's ``tt`` tokens and each activation
     chunk once for its ``rt`` rows: ``rt * tt`` multiply-adds per ``rt + tt`` loads, which is
     what lets this beat a float32 BLAS product on dequantized weights (16-bit multiply-add
     does twice the work of a float32 FMA per instruction with VNNI).
@@ -312,10 +312,13 @@ def _tile_dot_codegen(rt: int, tt: int):
         kb.add_incoming(builder.add(kb, _c64(1)), body)
         builder.branch(head)
 
-        builder.position_at_end(done)
-        for (i, j), lanes in facc.items():
-            builder.store(_hsum(builder, lanes),
-                          builder.gep(oa.data, [builder.add(builder.mul(toks[j], n), rows[i])], inbounds=True))
+        builder.position_at_end(done)  # pairs p = j * rt + i: a token's rt sums are adjacent lanes
+        sums = _lane_sums(builder, [facc[p % rt, p // rt] for p in range(rt * tt)])
+        for j in range(tt):
+            v, lane = divmod(j * rt, 8)
+            part = builder.shuffle_vector(sums[v], sums[v], ir.Constant(_vec(_I32, rt), list(range(lane, lane + rt))))
+            dst = builder.gep(oa.data, [builder.add(builder.mul(toks[j], n), r0)], inbounds=True)
+            builder.store(part, builder.bitcast(dst, _vec(_F32, rt).as_pointer()), align=4)
 
     return codegen
 
@@ -330,9 +333,11 @@ def _vpdpbusd(builder):
 
 
 def _lane_sums(builder, vecs):
-    """Eight-lane vectors ``v_0 .. v_{m-1}`` -> ``ceil(m / 8)`` vectors whose lane ``p`` holds the sum
-    of the lanes of ``v_{8i + p}`` (a transposing tree: 7 adds for 8 sums instead of 56)."""
-    zero = ir.Constant(vecs[0].type, [0] * 8)
+    """Eight-lane float vectors ``v_0 .. v_{m-1}`` -> ``ceil(m / 8)`` vectors whose lane ``p`` holds
+    the sum of the lanes of ``v_{8i + p}`` (a transposing tree: 7 adds for 8 sums instead of 56).
+    Every vector's lanes are summed in the same order, ``((0+1)+(2+3))+((4+5)+(6+7))``, whatever
+    vectors it is grouped with, so a tile's shape never changes a result."""
+    zero = ir.Constant(vecs[0].type, [0.0] * 8)
     vecs = vecs + [zero] * (-len(vecs) % 8)
     out = []
     for k in range(0, len(vecs), 8):
@@ -341,8 +346,8 @@ def _lane_sums(builder, vecs):
             lo = [p for base in range(0, 8, 2 * width) for p in (*range(base, base + width),
                                                                     *range(8 + base, 8 + base + width))]
             hi = [p + width for p in lo]
-            level = [builder.add(builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), lo)),
-                                 builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), hi)))
+            level = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), lo)),
+                                  builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), hi)), flags=_EXACT)
                      for a, b in zip(level[0::2], level[1::2])]
         out.append(level[0])
     return out
@@ -413,41 +418,43 @@ def _u8_tile_codegen(rt: int, tt: int):
     """IR for an ``rt`` rows x ``tt`` tokens tile of ``out = scale * (x @ q.T)`` with int8
     activations: ``vpdpbusd`` of the uint8 ``x + 128`` against the int8 weights.
 
-    Per block of U8_BLOCK values: ``rt * tt`` int32 accumulators of eight lanes, each weight
-    chunk of 32 bytes loaded once for the ``tt`` tokens and each activation chunk once for the
-    ``rt`` rows; then a transposing tree folds the eight lanes of every (row, token) pair, eight
-    pairs to a vector, the block's offset term ``-128 * sum(q)`` (``corr``, per row and block) is
-    added, exactly, and the pair's sums are converted and scaled by the token's block scale into
-    float32 lanes. At the end the rows' scales are applied and each token's ``rt`` results
-    stored. Pairs are numbered ``p = j * rt + i`` (token j, row i), so with ``rt`` in 1, 2, 4, 8 a
-    token's results are adjacent lanes. A lane of a block sums at most 32 * 4 * 255 * 127,
-    far from overflow.
-    Arguments ``(q [n, k] int8, corr [k // B, n] int32, xu [T, k] uint8, xd [k // B, T] float32,
-    r0, t0, out [T, n] float32, scale [n] float32)``."""
+    Per (row, token) pair, an int32 accumulator of eight lanes per block of U8_BLOCK values
+    (each weight chunk of 32 bytes loaded once for the ``tt`` tokens, each activation chunk once
+    for the ``rt`` rows) that starts from the lane's share of the offset term, ``-128 * sum(q)``
+    over the weights that lane multiplies (``lc``, `u8_lane_corr`), so every lane holds its exact
+    signed integer dot product (never the inflated offset sum, whose cancellation in float32
+    would cost precision); the lanes are converted and added times the token's block scale into
+    eight float32 lanes (one FMA each). Only at the end does a transposing tree fold each pair's
+    lanes (`_lane_sums`), then the rows' scales are applied and each token's ``rt`` results
+    stored: per block one conversion and one FMA a pair, no shuffles.
+    Arguments ``(q [n, k] int8, lc [k // B, R, 8] int32 (rows r0 .. r0 + rt - 1 as 0 .. rt - 1,
+    rt <= R), xu [T, k] uint8, xd [k // B, T] float32, r0, t0, out [T, n] float32, scale [n]
+    float32)``."""
     npair = rt * tt
     nvec = (npair + 7) // 8
 
-    def codegen(builder, qa, ca, xa, da, r0, t0, oa, sa):
+    def codegen(builder, qa, la, xa, da, r0, t0, oa, sa):
         n, k = qa.shape
         nkb, t_all = da.shape
         dot = _vpdpbusd(builder)
-        v8 = _vec(_I32, 8)
+        v8, f8 = _vec(_I32, 8), _vec(_F32, 8)
+        lrows = la.shape[1]
         wrow = [builder.gep(qa.data, [builder.mul(builder.add(r0, _c64(i)), k)], inbounds=True) for i in range(rt)]
         xrow = [builder.gep(xa.data, [builder.mul(builder.add(t0, _c64(j)), k)], inbounds=True) for j in range(tt)]
-        row_of = lambda p: p % rt if p < npair else None  # noqa: E731
-        tok_of = lambda p: p // rt if p < npair else None  # noqa: E731
         entry, head, body, done = _open_loop(builder, "u8tile")
         kb = builder.phi(_I64)
         kb.add_incoming(_c64(0), entry)
-        facc = []
-        for _ in range(nvec):
-            facc.append(builder.phi(_vec(_F32, 8)))
-            facc[-1].add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
+        facc = {}
+        for p in range(npair):
+            facc[p] = builder.phi(f8)
+            facc[p].add_incoming(ir.Constant(f8, [0.0] * 8), entry)
         builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
 
         builder.position_at_end(body)
         base = builder.mul(kb, _c64(U8_BLOCK))
-        acc = {(i, j): ir.Constant(v8, [0] * 8) for i in range(rt) for j in range(tt)}
+        lptr = builder.gep(la.data, [builder.mul(builder.mul(kb, lrows), _c64(8))], inbounds=True)
+        start = [_load_vec(builder, lptr, _c64(8 * i), v8) for i in range(rt)]
+        acc = {(i, j): start[i] for i in range(rt) for j in range(tt)}
         for c in range(U8_BLOCK // 32):
             off = builder.add(base, _c64(32 * c))
             ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
@@ -455,25 +462,56 @@ def _u8_tile_codegen(rt: int, tt: int):
             for j in range(tt):
                 for i in range(rt):
                     acc[i, j] = builder.call(dot, [acc[i, j], xs[j], ws[i]])
-        sums = _lane_sums(builder, [acc[p % rt, p // rt] for p in range(npair)])
-        corr = _spread(builder, builder.gep(ca.data, [builder.add(builder.mul(kb, n), r0)], inbounds=True),
-                       rt, row_of, nvec, _I32)
-        xd = _spread(builder, builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t0)], inbounds=True),
-                     tt, tok_of, nvec, _F32)
-        for v in range(nvec):
-            exact = builder.sitofp(builder.add(sums[v], corr[v]), _vec(_F32, 8))
-            facc[v].add_incoming(_fma(builder, exact, xd[v], facc[v]), body)
+        dptr = builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t0)], inbounds=True)
+        for j in range(tt):
+            d = _splat(builder, builder.load(builder.gep(dptr, [_c64(j)], inbounds=True)), 8)
+            for i in range(rt):
+                p = j * rt + i
+                facc[p].add_incoming(_fma(builder, builder.sitofp(acc[i, j], f8), d, facc[p]), body)
         kb.add_incoming(builder.add(kb, _c64(1)), body)
         builder.branch(head)
 
-        builder.position_at_end(done)
-        scale = _spread(builder, builder.gep(sa.data, [r0], inbounds=True), rt, row_of, nvec, _F32)
-        res = [builder.fmul(f, s, flags=_EXACT) for f, s in zip(facc, scale)]
+        builder.position_at_end(done)  # pairs p = j * rt + i: a token's rt results are adjacent lanes
+        sums = _lane_sums(builder, [facc[p] for p in range(npair)])
+        scale = _spread(builder, builder.gep(sa.data, [r0], inbounds=True), rt,
+                        lambda p: p % rt if p < npair else None, nvec, _F32)
+        res = [builder.fmul(f, s, flags=_EXACT) for f, s in zip(sums, scale)]
         for j in range(tt):
             v, lane = divmod(j * rt, 8)
             part = builder.shuffle_vector(res[v], res[v], ir.Constant(_vec(_I32, rt), list(range(lane, lane + rt))))
             dst = builder.gep(oa.data, [builder.add(builder.mul(builder.add(t0, _c64(j)), n), r0)], inbounds=True)
             builder.store(part, builder.bitcast(dst, _vec(_F32, rt).as_pointer()), align=4)
+
+    return codegen
+
+
+def _u8_lane_corr_codegen(rt: int):
+    """IR of `u8_lane_corr`: ``vpdpbusd`` of 128 (unsigned) against each row's weights, negated."""
+    def codegen(builder, qa, r0, la):
+        k = qa.shape[1]
+        nkb = builder.sdiv(k, _c64(U8_BLOCK))
+        lrows = la.shape[1]
+        dot = _vpdpbusd(builder)
+        v8 = _vec(_I32, 8)
+        half = builder.bitcast(ir.Constant(_vec(_I8, 32), [128] * 32), v8)
+        wrow = [builder.gep(qa.data, [builder.mul(builder.add(r0, _c64(i)), k)], inbounds=True) for i in range(rt)]
+        entry, head, body, done = _open_loop(builder, "lanecorr")
+        kb = builder.phi(_I64)
+        kb.add_incoming(_c64(0), entry)
+        builder.cbranch(builder.icmp_signed("<", kb, nkb), body, done)
+        builder.position_at_end(body)
+        base = builder.mul(kb, _c64(U8_BLOCK))
+        lptr = builder.gep(la.data, [builder.mul(builder.mul(kb, lrows), _c64(8))], inbounds=True)
+        for i, w in enumerate(wrow):
+            acc = ir.Constant(v8, [0] * 8)
+            for c in range(U8_BLOCK // 32):
+                wv = builder.bitcast(_load_vec(builder, w, builder.add(base, _c64(32 * c)), _vec(_I8, 32)), v8)
+                acc = builder.call(dot, [acc, half, wv])
+            dst = builder.bitcast(builder.gep(lptr, [_c64(8 * i)], inbounds=True), v8.as_pointer())
+            builder.store(builder.sub(ir.Constant(v8, [0] * 8), acc), dst, align=4)
+        kb.add_incoming(builder.add(kb, _c64(1)), body)
+        builder.branch(head)
+        builder.position_at_end(done)
 
     return codegen
 
@@ -518,23 +556,35 @@ def int8_tile_dot(typingctx, q, xq, xd, r0, t0, out, rt, tt):
     """``out[t, r] = sum_b xd[t, b] * sum_i q[r, bB + i] * xq[t, bB + i]`` (B = TILE_BLOCK) for
     rows ``r0 .. r0 + rt - 1`` and tokens ``t0 .. t0 + tt - 1``; ``rt``, ``tt`` literals (1-4).
     All arrays C-contiguous, ``k`` a multiple of TILE_BLOCK."""
-    if not (_literal(rt, range(1, 5)) and _literal(tt, range(1, 5))):
+    if not (_literal(rt, (1, 2, 4, 8)) and _literal(tt, range(1, 5))):
         return None
     inner = _tile_dot_codegen(rt.literal_value, tt.literal_value)
     return types.void(q, xq, xd, r0, t0, out, rt, tt), _codegen(inner, 6)
 
 
 @intrinsic
-def u8_tile_dot(typingctx, q, corr, xu, xd, r0, t0, out, scale, rt, tt):
-    """``out[t, r] = scale[r] * sum_b xd[b, t] * (sum_i q[r, bB + i] * xu[t, bB + i] + corr[b, r])``
-    (B = U8_BLOCK; ``xu`` = int8 activations + 128, ``corr[b, r] = -128 * sum_i q[r, bB + i]``,
-    so the bracket is the exact integer dot product of the signed values) for rows ``r0 .. r0 +
-    rt - 1`` and tokens ``t0 .. t0 + tt - 1``; ``rt`` a literal in 1, 2, 4, 8 and ``tt`` in 1-4.
-    Needs VNNI (`kernels.common.HAVE_VNNI`). All arrays C-contiguous, ``k`` a multiple of B."""
+def u8_lane_corr(typingctx, q, r0, lc, rt):
+    """``lc[b, i, l] = -128 * sum(q[r0 + i, bB + 32c + 4l + m] for c, m)`` (B = U8_BLOCK,
+    ``c < B / 32``, ``m < 4``): the offset term of the +128 activations that lane ``l`` of a
+    `u8_tile_dot` accumulator meets in block ``b`` of row ``r0 + i``, ``i < rt`` (a literal in 1,
+    2, 4, 8; ``lc`` int32 ``[k // B, R, 8]``, R >= rt). Once per strip of rows: it does not
+    depend on the tokens."""
+    if not _literal(rt, (1, 2, 4, 8)):
+        return None
+    return types.void(q, r0, lc, rt), _codegen(_u8_lane_corr_codegen(rt.literal_value), 3)
+
+
+@intrinsic
+def u8_tile_dot(typingctx, q, lc, xu, xd, r0, t0, out, scale, rt, tt):
+    """``out[t, r] = scale[r] * sum_b xd[b, t] * sum_i q[r, bB + i] * (xu[t, bB + i] - 128)``
+    (B = U8_BLOCK; ``xu`` = int8 activations + 128; ``lc``: `u8_lane_corr` of these rows, which
+    takes the offset back out exactly) for rows ``r0 .. r0 + rt - 1`` and tokens ``t0 .. t0 + tt -
+    1``; ``rt`` a literal in 1, 2, 4, 8 and ``tt`` in 1-4. Needs VNNI
+    (`kernels.common.HAVE_VNNI`). All arrays C-contiguous, ``k`` a multiple of B."""
     if not (_literal(rt, (1, 2, 4, 8)) and _literal(tt, range(1, 5))):
         return None
     inner = _u8_tile_codegen(rt.literal_value, tt.literal_value)
-    return types.void(q, corr, xu, xd, r0, t0, out, scale, rt, tt), _codegen(inner, 8)
+    return types.void(q, lc, xu, xd, r0, t0, out, scale, rt, tt), _codegen(inner, 8)
 
 
 @intrinsic

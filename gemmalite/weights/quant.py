@@ -51,9 +51,10 @@ asymmetric format's (``python scripts/int4_error.py gemma3``).
 Kernels (numba, in `gemmalite.kernels.quant`): ``matmul`` with ``T <= FEW_ROWS`` runs fused numba kernels (``prange`` over output
 rows, weights read once for all T columns). Larger T (prefill): int8 runs integer tiles; with
 VNNI (``common.HAVE_VNNI``) the activations are rounded to int8 per TILE_BLOCK values (W8A8:
-step ``max|x| / 127``, about the weights' own error) and tiles of 8 rows x 2 tokens take 8-bit
-dot products (``simd.u8_tile_dot``, ~550-680 GOP/s here); otherwise tiles of 4 rows x 2 tokens
-with int16 activations (``simd.int8_tile_dot``, ~220 GOP/s, 2-3x the float32 BLAS path);
+step ``max|x| / 127``, about the weights' own error) and tiles of 4 rows x 3 tokens take 8-bit
+dot products (``simd.u8_tile_dot``); otherwise tiles of 4 rows x 3 tokens with int16
+activations (``simd.int8_tile_dot``, 2-3x the float32 BLAS path); both keep per-lane float sums
+and fold a pair's lanes once, at the end;
 symmetric int4 runs W4A8 tiles (``kernels.int4s``); asymmetric int4 and CPUs without AVX2
 dequantize row blocks into one reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
 machine both int8 and int4 decode run near memory bandwidth (the portable float int4 kernel
@@ -75,7 +76,6 @@ from ..kernels.quant import (
     i4_mv4,
     i4_pack,
     i4_quantize,
-    i8_block_corr,
     i8_dequant_ids,
     i8_dequant_range,
     i8_mm_w8a8,
@@ -176,7 +176,6 @@ class Int8Matrix(_Quantized):
         self.q = np.ascontiguousarray(q)  # no copy when already contiguous (memory-mapped)
         self.scale = np.ascontiguousarray(scale)
         self.shape = q.shape
-        self._corr: np.ndarray | None = None  # VNNI prefill: -128 * block sums of q, made on first use
 
     @property
     def uses_blas(self) -> bool:
@@ -296,14 +295,10 @@ class Int8Matrix(_Quantized):
         about the weights' own; ``rounded``: already), 8-bit dot products, TOKEN_CHUNK tokens at
         a time."""
         t, k = x.shape
-        if self._corr is None:  # computed once; threads racing here compute the same array
-            corr = np.empty((k // U8_BLOCK, self.shape[0]), dtype=np.int32)
-            i8_block_corr(self.q, U8_BLOCK, corr)
-            self._corr = corr
         xu, xd = rounded if rounded is not None else _round_u8(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
-            i8_mm_w8a8(self.q, self._corr, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
+            i8_mm_w8a8(self.q, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
         return out
 
     def __repr__(self):

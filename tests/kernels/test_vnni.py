@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gemmalite.kernels import common
-from gemmalite.kernels.quant import i8_block_corr, i8_mm_w8a8, round_u8_rows
+from gemmalite.kernels.quant import i8_mm_w8a8, round_u8_rows
 from gemmalite.kernels.simd import U8_BLOCK as TILE_BLOCK  # the VNNI kernel's block
 
 pytestmark = pytest.mark.skipif(not (common.HAVE_AVX2 and common.HAVE_VNNI),
@@ -49,7 +49,7 @@ def test_rounding_to_int8_per_block():
 @pytest.mark.parametrize("n,k,t,chunk", [(8, TILE_BLOCK, 2, 2), (37, 3 * TILE_BLOCK, 131, 64),
                                          (5, 2 * TILE_BLOCK, 7, 3), (203, 4 * TILE_BLOCK, 40, 16)])
 def test_tiles_match_exact_integer_math(n, k, t, chunk):
-    """8x2 tiles, the 8x1 token tail, one-row tails (n % 8), token ranges starting past 0."""
+    """4x3 tiles, the 4x1 token tail, one-row tails (n % 4), token ranges starting past 0."""
     rng = np.random.default_rng(n)
     q = rng.integers(-127, 128, (n, k), dtype=np.int8)
     q[0] = 127  # the largest block sums
@@ -57,19 +57,22 @@ def test_tiles_match_exact_integer_math(n, k, t, chunk):
     scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
     x = _activations(t, k, n + 1)
     xu, xd = _rounded(x)
-    corr = np.empty((k // TILE_BLOCK, n), dtype=np.int32)
-    i8_block_corr(q, TILE_BLOCK, corr)
-    np.testing.assert_array_equal(corr, -128 * q.astype(np.int64).reshape(n, -1, TILE_BLOCK).sum(2).T)
     out = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(0, t, chunk):
-        i8_mm_w8a8(q, corr, scale, xu, xd, t0, min(t, t0 + chunk), out)
+        i8_mm_w8a8(q, scale, xu, xd, t0, min(t, t0 + chunk), out)
     xi = xu.astype(np.int64).reshape(t, -1, TILE_BLOCK) - 128
     dots = np.einsum("tbi,rbi->trb", xi, q.astype(np.int64).reshape(n, -1, TILE_BLOCK))  # exact
     terms = dots * xd.T[:, None, :].astype(np.float64)
     ref = terms.sum(2) * scale.astype(np.float64)
-    # float32 conversion, scaling and summing over blocks: a few ulps of the terms' magnitudes
+    # float32 conversion, scaling and summing over blocks and lanes: a few ulps of the block terms'
+    # magnitudes (the lanes hold exact signed partial dots, never the +128 offset's inflated sums)
     bound = 1e-6 * np.abs(terms).sum(2) * scale + 1e-30
     assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
+    # a token's results do not depend on the tile it ran in: one token at a time (4x1 and 1x1 only)
+    single = np.full((t, n), np.nan, dtype=np.float32)
+    for t0 in range(t):
+        i8_mm_w8a8(q, scale, xu, xd, t0, t0 + 1, single)
+    np.testing.assert_array_equal(single, out)
 
 
 def test_env_forces_the_portable_path():
