@@ -175,13 +175,37 @@ def round_u8_rows(x, xu, xd):
 
 
 @njit(parallel=True, **_FAST)
-def i8_mm_w8a8(q, scale, xu, xd, t_lo, t_hi, out):
-    """Prefill with int8 activations on VNNI (``u8_tile_dot``): tiles of 4 rows x 3 tokens over
-    tokens ``t_lo .. t_hi - 1`` (24 accumulators and 7 loaded vectors: all of AVX-512's 32
-    registers, no spills), each task one 4-row strip against those tokens (the strip stays in
-    L1, the tokens' activations in L2). Tokens past the last whole tile go one at a time, rows
-    past the last whole strip too; every tile computes a pair the same way. Each strip first
-    takes its lanes' offset terms (`u8_lane_corr`, the cost of one token)."""
+def round_i16_planes(x, xl, xh, xd):
+    """Rows of ``x`` rounded to int16 per U8_BLOCK values exactly as `round_int16_rows` rounds them
+    (scale max|x| / 32767), stored as the two byte planes `u8_tile_dot` takes: ``xl`` the low
+    byte, ``xh`` the high byte + 128 (both uint8 ``[T, k]``); the scales transposed, ``xd [k //
+    U8_BLOCK, T]``."""
+    for t in prange(x.shape[0]):
+        for g in range(x.shape[1] // U8_BLOCK):
+            xg = x[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
+            amax = np.float32(0.0)
+            for j in range(U8_BLOCK):
+                amax = max(amax, abs(xg[j]))
+            d = amax / np.float32(32767.0)
+            xd[g, t] = d
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            lo = xl[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
+            hi = xh[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
+            for j in range(U8_BLOCK):
+                v = np.int32(np.int16(np.rint(xg[j] * inv)))
+                lo[j] = np.uint8(v & 255)
+                hi[j] = np.uint8((v >> 8) + 128)
+
+
+@njit(parallel=True, **_FAST)
+def i8_mm_w8a8(q, scale, xu, xh, xd, t_lo, t_hi, out):
+    """Prefill on VNNI (``u8_tile_dot``) with int8 activations (``xh`` None) or int16 ones as two
+    byte planes (`round_i16_planes`): tiles of 4 rows x 3 tokens over tokens ``t_lo .. t_hi - 1``
+    (24 accumulators and 7 loaded vectors: all of AVX-512's 32 registers, no spills), each task
+    one 4-row strip against those tokens (the strip stays in L1, the tokens' activations in L2).
+    Tokens past the last whole tile go one at a time, rows past the last whole strip too; every
+    tile computes a pair the same way. Each strip first takes its lanes' offset terms
+    (`u8_lane_corr`, the cost of one token)."""
     n = q.shape[0]
     nkb = q.shape[1] // U8_BLOCK
     for b in prange((n + 3) // 4):
@@ -191,16 +215,16 @@ def i8_mm_w8a8(q, scale, xu, xd, t_lo, t_hi, out):
             u8_lane_corr(q, r, lc, 4)
             t = t_lo
             while t + 3 <= t_hi:
-                u8_tile_dot(q, lc, xu, xd, r, t, out, scale, 4, 3)
+                u8_tile_dot(q, lc, xu, xh, xd, r, t, out, scale, 4, 3)
                 t += 3
             while t < t_hi:
-                u8_tile_dot(q, lc, xu, xd, r, t, out, scale, 4, 1)
+                u8_tile_dot(q, lc, xu, xh, xd, r, t, out, scale, 4, 1)
                 t += 1
         else:
             for i in range(r, n):
                 u8_lane_corr(q, i, lc, 1)
                 for t in range(t_lo, t_hi):
-                    u8_tile_dot(q, lc, xu, xd, i, t, out, scale, 1, 1)
+                    u8_tile_dot(q, lc, xu, xh, xd, i, t, out, scale, 1, 1)
 
 
 @njit(**_JIT)

@@ -414,9 +414,14 @@ def round_u8(typingctx, x, xu, xd, t):
     return types.void(x, xu, xd, t), _codegen(_round_u8_codegen, 4)
 
 
-def _u8_tile_codegen(rt: int, tt: int):
+def _u8_tile_codegen(rt: int, tt: int, split: bool):
     """IR for an ``rt`` rows x ``tt`` tokens tile of ``out = scale * (x @ q.T)`` with int8
-    activations: ``vpdpbusd`` of the uint8 ``x + 128`` against the int8 weights.
+    activations: ``vpdpbusd`` of the uint8 ``x + 128`` against the int8 weights. With ``split``
+    the activations are int16, ``x = 256 * hi + lo``, as two byte planes (``xh`` = hi + 128,
+    ``xl`` = lo, unsigned): per block the hi plane's products (offset taken out as below), the
+    sums shifted left by 8 bits, then the lo plane's products added: the exact int16 x int8 dot
+    product with 32 multiply-adds per instruction on the weights as stored (``vpdpwssd`` needs
+    them widened to 16 bits first). A lane stays below 2**31: 256 * 32 * 128 * 127 + 32 * 255 * 127.
 
     Per (row, token) pair, an int32 accumulator of eight lanes per block of U8_BLOCK values
     (each weight chunk of 32 bytes loaded once for the ``tt`` tokens, each activation chunk once
@@ -428,12 +433,12 @@ def _u8_tile_codegen(rt: int, tt: int):
     lanes (`_lane_sums`), then the rows' scales are applied and each token's ``rt`` results
     stored: per block one conversion and one FMA a pair, no shuffles.
     Arguments ``(q [n, k] int8, lc [k // B, R, 8] int32 (rows r0 .. r0 + rt - 1 as 0 .. rt - 1,
-    rt <= R), xu [T, k] uint8, xd [k // B, T] float32, r0, t0, out [T, n] float32, scale [n]
-    float32)``."""
+    rt <= R), xu [T, k] uint8 (split: lo), xh [T, k] uint8 (split: hi + 128; else None),
+    xd [k // B, T] float32, r0, t0, out [T, n] float32, scale [n] float32)``."""
     npair = rt * tt
     nvec = (npair + 7) // 8
 
-    def codegen(builder, qa, la, xa, da, r0, t0, oa, sa):
+    def codegen(builder, qa, la, xa, ha, da, r0, t0, oa, sa):
         n, k = qa.shape
         nkb, t_all = da.shape
         dot = _vpdpbusd(builder)
@@ -441,6 +446,8 @@ def _u8_tile_codegen(rt: int, tt: int):
         lrows = la.shape[1]
         wrow = [builder.gep(qa.data, [builder.mul(builder.add(r0, _c64(i)), k)], inbounds=True) for i in range(rt)]
         xrow = [builder.gep(xa.data, [builder.mul(builder.add(t0, _c64(j)), k)], inbounds=True) for j in range(tt)]
+        hrow = [builder.gep(ha.data, [builder.mul(builder.add(t0, _c64(j)), k)], inbounds=True)
+                for j in range(tt)] if split else []
         entry, head, body, done = _open_loop(builder, "u8tile")
         kb = builder.phi(_I64)
         kb.add_incoming(_c64(0), entry)
@@ -455,13 +462,17 @@ def _u8_tile_codegen(rt: int, tt: int):
         lptr = builder.gep(la.data, [builder.mul(builder.mul(kb, lrows), _c64(8))], inbounds=True)
         start = [_load_vec(builder, lptr, _c64(8 * i), v8) for i in range(rt)]
         acc = {(i, j): start[i] for i in range(rt) for j in range(tt)}
-        for c in range(U8_BLOCK // 32):
-            off = builder.add(base, _c64(32 * c))
-            ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
-            xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
-            for j in range(tt):
-                for i in range(rt):
-                    acc[i, j] = builder.call(dot, [acc[i, j], xs[j], ws[i]])
+        planes = [hrow, xrow] if split else [xrow]
+        for plane, rows in enumerate(planes):
+            if plane:  # the hi plane's sums times 256, before the lo plane's products
+                acc = {key: builder.shl(a, ir.Constant(v8, [8] * 8)) for key, a in acc.items()}
+            for c in range(U8_BLOCK // 32):
+                off = builder.add(base, _c64(32 * c))
+                ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
+                xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in rows]
+                for j in range(tt):
+                    for i in range(rt):
+                        acc[i, j] = builder.call(dot, [acc[i, j], xs[j], ws[i]])
         dptr = builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t0)], inbounds=True)
         for j in range(tt):
             d = _splat(builder, builder.load(builder.gep(dptr, [_c64(j)], inbounds=True)), 8)
@@ -575,16 +586,17 @@ def u8_lane_corr(typingctx, q, r0, lc, rt):
 
 
 @intrinsic
-def u8_tile_dot(typingctx, q, lc, xu, xd, r0, t0, out, scale, rt, tt):
-    """``out[t, r] = scale[r] * sum_b xd[b, t] * sum_i q[r, bB + i] * (xu[t, bB + i] - 128)``
-    (B = U8_BLOCK; ``xu`` = int8 activations + 128; ``lc``: `u8_lane_corr` of these rows, which
-    takes the offset back out exactly) for rows ``r0 .. r0 + rt - 1`` and tokens ``t0 .. t0 + tt -
-    1``; ``rt`` a literal in 1, 2, 4, 8 and ``tt`` in 1-4. Needs VNNI
-    (`kernels.common.HAVE_VNNI`). All arrays C-contiguous, ``k`` a multiple of B."""
+def u8_tile_dot(typingctx, q, lc, xu, xh, xd, r0, t0, out, scale, rt, tt):
+    """``out[t, r] = scale[r] * sum_b xd[b, t] * sum_i q[r, bB + i] * a[t, bB + i]`` (B = U8_BLOCK)
+    for rows ``r0 .. r0 + rt - 1`` and tokens ``t0 .. t0 + tt - 1``, the activations ``a`` int8
+    (``xu`` = a + 128, ``xh`` None) or int16 (``xu`` = a & 255, ``xh`` = (a >> 8) + 128, uint8
+    planes); ``lc``: `u8_lane_corr` of these rows, which takes the +128 back out exactly. ``rt``
+    a literal in 1, 2, 4, 8 and ``tt`` in 1-4. Needs VNNI (`kernels.common.HAVE_VNNI`). All arrays
+    C-contiguous, ``k`` a multiple of B."""
     if not (_literal(rt, (1, 2, 4, 8)) and _literal(tt, range(1, 5))):
         return None
-    inner = _u8_tile_codegen(rt.literal_value, tt.literal_value)
-    return types.void(q, lc, xu, xd, r0, t0, out, scale, rt, tt), _codegen(inner, 8)
+    inner = _u8_tile_codegen(rt.literal_value, tt.literal_value, not isinstance(xh, types.NoneType))
+    return types.void(q, lc, xu, xh, xd, r0, t0, out, scale, rt, tt), _codegen(inner, 9)
 
 
 @intrinsic

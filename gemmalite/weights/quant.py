@@ -53,7 +53,8 @@ rows, weights read once for all T columns). Larger T (prefill): int8 runs intege
 VNNI (``common.HAVE_VNNI``) the activations are rounded to int8 per TILE_BLOCK values (W8A8:
 step ``max|x| / 127``, about the weights' own error) and tiles of 4 rows x 3 tokens take 8-bit
 dot products (``simd.u8_tile_dot``); otherwise tiles of 4 rows x 3 tokens with int16
-activations (``simd.int8_tile_dot``, 2-3x the float32 BLAS path); both keep per-lane float sums
+activations (``simd.int8_tile_dot``, 2-3x the float32 BLAS path; on VNNI `matmul_alike`'s int16
+activations go through the 8-bit tiles as two byte planes instead); all keep per-lane float sums
 and fold a pair's lanes once, at the end;
 symmetric int4 runs W4A8 tiles (``kernels.int4s``); asymmetric int4 and CPUs without AVX2
 dequantize row blocks into one reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
@@ -83,6 +84,7 @@ from ..kernels.quant import (
     i8_mv1,
     i8_mv4,
     i8_quantize,
+    round_i16_planes,
     round_int16_rows,
     round_u8_rows,
 )
@@ -129,6 +131,17 @@ def _round_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
     round_u8_rows(x, xu, xd)
     return xu, xd
+
+
+def _round_planes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x as the VNNI tiles take int16 activations: the same integers as `_round_tiles` (a scale
+    per TILE_BLOCK = U8_BLOCK values) as a low and a high byte plane, ``xd [k // U8_BLOCK, T]``."""
+    t, k = x.shape
+    xl = np.empty((t, k), dtype=np.uint8)
+    xh = np.empty((t, k), dtype=np.uint8)
+    xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
+    round_i16_planes(x, xl, xh, xd)
+    return xl, xh, xd
 
 
 def _round_w4a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -279,12 +292,19 @@ class Int8Matrix(_Quantized):
         return super().matmul_prepared(p)
 
     def _matmul_w8a16(self, x: np.ndarray, rounded: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Prefill: x rounded to int16 per TILE_BLOCK values (``rounded``: already), integer tiles,
-        TOKEN_CHUNK tokens at a time (so that a chunk of x stays in L2 while every weight strip
-        passes by)."""
+        """Prefill: x rounded to int16 per TILE_BLOCK values (``rounded``: already, as
+        `_round_tiles` gives it), integer tiles, TOKEN_CHUNK tokens at a time (so that a chunk of
+        x stays in L2 while every weight strip passes by). On VNNI (unless already rounded) the
+        same integers go as two byte planes through the 8-bit tiles (`simd.u8_tile_dot`), which
+        read the weights as stored instead of widening them to 16 bits."""
         t, k = x.shape
-        xq, xd = rounded if rounded is not None else _round_tiles(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
+        if rounded is None and common.HAVE_VNNI and TILE_BLOCK == U8_BLOCK:
+            xl, xh, xd8 = _round_planes(x)
+            for t0 in range(0, t, TOKEN_CHUNK):
+                i8_mm_w8a8(self.q, self.scale, xl, xh, xd8, t0, min(t, t0 + TOKEN_CHUNK), out)
+            return out
+        xq, xd = rounded if rounded is not None else _round_tiles(x)
         for t0 in range(0, t, TOKEN_CHUNK):
             t1 = min(t, t0 + TOKEN_CHUNK)
             i8_mm_w8a16(self.q, self.scale, xq[t0:t1], xd[t0:t1], out[t0:t1])
@@ -298,7 +318,7 @@ class Int8Matrix(_Quantized):
         xu, xd = rounded if rounded is not None else _round_u8(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0 in range(0, t, TOKEN_CHUNK):
-            i8_mm_w8a8(self.q, self.scale, xu, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
+            i8_mm_w8a8(self.q, self.scale, xu, None, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
         return out
 
     def __repr__(self):

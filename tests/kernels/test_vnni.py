@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gemmalite.kernels import common
-from gemmalite.kernels.quant import i8_mm_w8a8, round_u8_rows
+from gemmalite.kernels.quant import i8_mm_w8a8, round_i16_planes, round_int16_rows, round_u8_rows
 from gemmalite.kernels.simd import U8_BLOCK as TILE_BLOCK  # the VNNI kernel's block
 
 pytestmark = pytest.mark.skipif(not (common.HAVE_AVX2 and common.HAVE_VNNI),
@@ -59,7 +59,7 @@ def test_tiles_match_exact_integer_math(n, k, t, chunk):
     xu, xd = _rounded(x)
     out = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(0, t, chunk):
-        i8_mm_w8a8(q, scale, xu, xd, t0, min(t, t0 + chunk), out)
+        i8_mm_w8a8(q, scale, xu, None, xd, t0, min(t, t0 + chunk), out)
     xi = xu.astype(np.int64).reshape(t, -1, TILE_BLOCK) - 128
     dots = np.einsum("tbi,rbi->trb", xi, q.astype(np.int64).reshape(n, -1, TILE_BLOCK))  # exact
     terms = dots * xd.T[:, None, :].astype(np.float64)
@@ -71,7 +71,40 @@ def test_tiles_match_exact_integer_math(n, k, t, chunk):
     # a token's results do not depend on the tile it ran in: one token at a time (4x1 and 1x1 only)
     single = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(t):
-        i8_mm_w8a8(q, scale, xu, xd, t0, t0 + 1, single)
+        i8_mm_w8a8(q, scale, xu, None, xd, t0, t0 + 1, single)
+    np.testing.assert_array_equal(single, out)
+
+
+@pytest.mark.parametrize("n,k,t,chunk", [(8, TILE_BLOCK, 2, 2), (37, 3 * TILE_BLOCK, 131, 64), (5, 2 * TILE_BLOCK, 7, 3)])
+def test_int16_planes_match_exact_integer_math(n, k, t, chunk):
+    """int16 activations as two byte planes through the 8-bit tiles: the planes hold exactly the
+    integers `round_int16_rows` gives, and the tiles sum them exactly (the same bound as above)."""
+    rng = np.random.default_rng(n + 7)
+    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    q[0] = 127
+    q[-1] = -127
+    scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    x = _activations(t, k, n + 2)
+    xl, xh = np.empty((t, k), np.uint8), np.empty((t, k), np.uint8)
+    xd = np.empty((k // TILE_BLOCK, t), np.float32)
+    round_i16_planes(x, xl, xh, xd)
+    xq, xd16 = np.empty((t, k), np.int16), np.empty((t, k // TILE_BLOCK), np.float32)
+    round_int16_rows(x, TILE_BLOCK, xq, xd16)
+    xi = (xh.astype(np.int64) - 128) * 256 + xl
+    np.testing.assert_array_equal(xi, xq)  # the same integers as the int16 tiles take
+    np.testing.assert_array_equal(xd, xd16.T)
+    assert xi.min() >= -32767 and xi.max() <= 32767 and set(np.unique(xi[1, :TILE_BLOCK])) == {-32767, 32767}
+    out = np.full((t, n), np.nan, dtype=np.float32)
+    for t0 in range(0, t, chunk):
+        i8_mm_w8a8(q, scale, xl, xh, xd, t0, min(t, t0 + chunk), out)
+    dots = np.einsum("tbi,rbi->trb", xi.reshape(t, -1, TILE_BLOCK), q.astype(np.int64).reshape(n, -1, TILE_BLOCK))
+    terms = dots * xd.T[:, None, :].astype(np.float64)
+    ref = terms.sum(2) * scale.astype(np.float64)
+    bound = 1e-6 * np.abs(terms).sum(2) * scale + 1e-30
+    assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
+    single = np.full((t, n), np.nan, dtype=np.float32)
+    for t0 in range(t):
+        i8_mm_w8a8(q, scale, xl, xh, xd, t0, t0 + 1, single)
     np.testing.assert_array_equal(single, out)
 
 
