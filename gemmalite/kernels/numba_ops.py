@@ -110,23 +110,34 @@ def rope_rows(x, cos, sin, out):  # pragma: no cover - compiled
                 out[t, h, i + half] = b * c + a * s
 
 
+@njit(inline="always", **EXACT)
+def _rms_norm_row(x, w, eps, out, r):  # pragma: no cover - compiled
+    d = x.shape[1]
+    s = sum_squares64(x[r])
+    inv = np.float32((s / d + eps) ** -0.5)
+    if w.shape[0] > 0:
+        for c in range(d):
+            out[r, c] = (x[r, c] * inv) * w[c]
+    else:
+        for c in range(d):
+            out[r, c] = x[r, c] * inv
+
+
 @njit(**EXACT)
 def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
     """out = x / sqrt(mean(x^2) + eps) * w per row of 2-D ``x`` (``w`` empty: scale-free).
 
     The mean of squares accumulates in float64 (`sum_squares64`: at least as exact as torch's
     float32 reduction); the two multiplications round in float32 like transformers'."""
-    rows, d = x.shape
-    has_w = w.shape[0] > 0
-    for r in range(rows):
-        s = sum_squares64(x[r])
-        inv = np.float32((s / d + eps) ** -0.5)
-        if has_w:
-            for c in range(d):
-                out[r, c] = (x[r, c] * inv) * w[c]
-        else:
-            for c in range(d):
-                out[r, c] = x[r, c] * inv
+    for r in range(x.shape[0]):
+        _rms_norm_row(x, w, eps, out, r)
+
+
+@njit(parallel=True, **EXACT)
+def rms_norm_rows_parallel(x, w, eps, out):  # pragma: no cover - compiled
+    """`rms_norm_rows` with the rows spread over the threads (each row computed the same way)."""
+    for r in prange(x.shape[0]):
+        _rms_norm_row(x, w, eps, out, r)
 
 
 @njit(inline="always", **FAST)

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import common
 from .numba_ops import (KEY_BLOCK, attention_blocked, attention_decode, attention_rows, gelu_tanh_mul_flat,
-                        key_block_bounds, rms_norm_rows, rope_rows, softmax_rows_serial)
+                        key_block_bounds, rms_norm_rows, rms_norm_rows_parallel, rope_rows, softmax_rows_serial)
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
@@ -22,6 +22,7 @@ THREADED_HEADS_MIN_ROWS = 64
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
+PARALLEL_NORM_MIN = 1 << 16  # values from which RMSNorm spreads its rows over the threads (prefill, not decode)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
@@ -29,7 +30,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     Weights already carry any family offset (Gemma 3's ``1 + w``)."""
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    rms_norm_rows(x2, _NO_WEIGHT if weight is None else weight, float(eps), out)
+    norm = rms_norm_rows_parallel if x2.size >= PARALLEL_NORM_MIN else rms_norm_rows
+    norm(x2, _NO_WEIGHT if weight is None else weight, float(eps), out)
     return out.reshape(x.shape)
 
 
