@@ -123,14 +123,20 @@ def round_int16_rows(x, block, xq, xd):
         for g in range(x.shape[1] // block):
             xg = x[t, g * block : g * block + block]
             qg = xq[t, g * block : g * block + block]
-            amax = np.float32(0.0)
-            for j in range(block):
-                amax = max(amax, abs(xg[j]))
-            d = amax / np.float32(32767.0)
+            d, inv = _int16_step(xg)
             xd[t, g] = d
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
             for j in range(block):
                 qg[j] = np.int16(np.rint(xg[j] * inv))
+
+
+@njit(inline="always", **_FAST)
+def _int16_step(xg):
+    """A block's int16 step ``max|x| / 32767`` and its inverse (0 for an all-zero block)."""
+    amax = np.float32(0.0)
+    for j in range(xg.shape[0]):
+        amax = max(amax, abs(xg[j]))
+    d = amax / np.float32(32767.0)
+    return d, (np.float32(1.0) / d if d > 0 else np.float32(0.0))
 
 
 PREFETCH_STRIPS = 4  # int8 prefill: 4-row strips ahead whose weights are prefetched (a short query: -10 %)
@@ -183,12 +189,8 @@ def round_i16_planes(x, xl, xh, xd):
     for t in prange(x.shape[0]):
         for g in range(x.shape[1] // U8_BLOCK):
             xg = x[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
-            amax = np.float32(0.0)
-            for j in range(U8_BLOCK):
-                amax = max(amax, abs(xg[j]))
-            d = amax / np.float32(32767.0)
+            d, inv = _int16_step(xg)
             xd[g, t] = d
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
             lo = xl[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
             hi = xh[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
             for j in range(U8_BLOCK):

@@ -25,6 +25,14 @@ def _activations(t, k, seed):
     return x
 
 
+def _weights(n, k, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    q[0] = 127  # the largest block sums
+    q[-1] = -127
+    return q, rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+
+
 def _rounded(x):
     t, k = x.shape
     xu = np.empty((t, k), dtype=np.uint8)
@@ -50,28 +58,30 @@ def test_rounding_to_int8_per_block():
                                          (5, 2 * TILE_BLOCK, 7, 3), (203, 4 * TILE_BLOCK, 40, 16)])
 def test_tiles_match_exact_integer_math(n, k, t, chunk):
     """4x3 tiles, the 4x1 token tail, one-row tails (n % 4), token ranges starting past 0."""
-    rng = np.random.default_rng(n)
-    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
-    q[0] = 127  # the largest block sums
-    q[-1] = -127
-    scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    q, scale = _weights(n, k, n)
     x = _activations(t, k, n + 1)
     xu, xd = _rounded(x)
     out = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(0, t, chunk):
         i8_mm_w8a8(q, scale, xu, None, xd, t0, min(t, t0 + chunk), out)
-    xi = xu.astype(np.int64).reshape(t, -1, TILE_BLOCK) - 128
-    dots = np.einsum("tbi,rbi->trb", xi, q.astype(np.int64).reshape(n, -1, TILE_BLOCK))  # exact
+    _check_exact(q, scale, xu.astype(np.int64) - 128, xd, out, lambda t0, o: i8_mm_w8a8(q, scale, xu, None, xd, t0, t0 + 1, o))
+
+
+def _check_exact(q, scale, xi, xd, out, one_token):
+    """``out`` against the exact integer dot products of ``xi`` (the activations' integers) in
+    float64, and each token's results equal to a run of that token alone (``one_token(t0, out)``:
+    4x1 and 1x1 tiles only): a result does not depend on the tile it ran in."""
+    (t, k), n = xi.shape, q.shape[0]
+    dots = np.einsum("tbi,rbi->trb", xi.reshape(t, -1, TILE_BLOCK), q.astype(np.int64).reshape(n, -1, TILE_BLOCK))
     terms = dots * xd.T[:, None, :].astype(np.float64)
     ref = terms.sum(2) * scale.astype(np.float64)
     # float32 conversion, scaling and summing over blocks and lanes: a few ulps of the block terms'
     # magnitudes (the lanes hold exact signed partial dots, never the +128 offset's inflated sums)
     bound = 1e-6 * np.abs(terms).sum(2) * scale + 1e-30
     assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
-    # a token's results do not depend on the tile it ran in: one token at a time (4x1 and 1x1 only)
     single = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(t):
-        i8_mm_w8a8(q, scale, xu, None, xd, t0, t0 + 1, single)
+        one_token(t0, single)
     np.testing.assert_array_equal(single, out)
 
 
@@ -79,11 +89,7 @@ def test_tiles_match_exact_integer_math(n, k, t, chunk):
 def test_int16_planes_match_exact_integer_math(n, k, t, chunk):
     """int16 activations as two byte planes through the 8-bit tiles: the planes hold exactly the
     integers `round_int16_rows` gives, and the tiles sum them exactly (the same bound as above)."""
-    rng = np.random.default_rng(n + 7)
-    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
-    q[0] = 127
-    q[-1] = -127
-    scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    q, scale = _weights(n, k, n + 7)
     x = _activations(t, k, n + 2)
     xl, xh = np.empty((t, k), np.uint8), np.empty((t, k), np.uint8)
     xd = np.empty((k // TILE_BLOCK, t), np.float32)
@@ -97,15 +103,7 @@ def test_int16_planes_match_exact_integer_math(n, k, t, chunk):
     out = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(0, t, chunk):
         i8_mm_w8a8(q, scale, xl, xh, xd, t0, min(t, t0 + chunk), out)
-    dots = np.einsum("tbi,rbi->trb", xi.reshape(t, -1, TILE_BLOCK), q.astype(np.int64).reshape(n, -1, TILE_BLOCK))
-    terms = dots * xd.T[:, None, :].astype(np.float64)
-    ref = terms.sum(2) * scale.astype(np.float64)
-    bound = 1e-6 * np.abs(terms).sum(2) * scale + 1e-30
-    assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
-    single = np.full((t, n), np.nan, dtype=np.float32)
-    for t0 in range(t):
-        i8_mm_w8a8(q, scale, xl, xh, xd, t0, t0 + 1, single)
-    np.testing.assert_array_equal(single, out)
+    _check_exact(q, scale, xi, xd, out, lambda t0, o: i8_mm_w8a8(q, scale, xl, xh, xd, t0, t0 + 1, o))
 
 
 def test_env_forces_the_portable_path():
