@@ -271,7 +271,8 @@ def _tile_dot_codegen(rt: int, tt: int):
     Per block of TILE_BLOCK values: ``rt * tt`` exact int32 sums with ``vpmaddwd`` (16 products
     each; <= 16 * 2 * 127 * 32767 per lane, no overflow), converted once to float32 and scaled
     by the token's block scale into eight float32 lanes; at the end the lanes of every (row,
-    token) pair are folded by one transposing tree (`_lane_sums`, the same order for every pair). Each weight chunk is loaded once for the tile's ``tt`` tokens and each activation
+    token) pair are folded by one transposing tree (`_lane_sums`, the same order for every
+    pair). Each weight chunk is loaded once for the tile's ``tt`` tokens and each activation
     chunk once for its ``rt`` rows: ``rt * tt`` multiply-adds per ``rt + tt`` loads, which is
     what lets this beat a float32 BLAS product on dequantized weights (16-bit multiply-add
     does twice the work of a float32 FMA per instruction with VNNI).
