@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import AudioError, ConfigError
-from ..kernels.numba_ops import banded_attention
+from ..kernels.numba_ops import banded_attention, clip_silu_clip, glu_causal_conv, norm_stage
 from ..kernels.ops import rms_norm
 from ..models.gemma.build import QUANT_KINDS, matrix_factory
 from ..weights.clipped import CLIP_KEYS, Linear
@@ -142,22 +142,6 @@ class AudioLayer:
                 self.ff2.up, self.ff2.down]
 
 
-def _silu(x: np.ndarray) -> np.ndarray:
-    """``x * sigmoid(x)`` as ``x * (0.5 + 0.5 tanh(x / 2))`` (numpy's SIMD tanh), in place on ``x``
-    (a fresh product): the same operations in the same order as the plain expression, so the
-    same bits, without its four temporaries."""
-    t = x * np.float32(0.5)
-    np.tanh(t, out=t)
-    t *= np.float32(0.5)
-    t += np.float32(0.5)
-    x *= t
-    return x
-
-
-def _clamp(x: np.ndarray, bound: float) -> np.ndarray:
-    return np.clip(x, -bound, bound, out=x)
-
-
 def _conv_stride2(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Conv2d(3x3, stride 2, padding 1, no bias) over ``x [T, F, C_in]`` with ``w [C_out, C_in, 3, 3]``:
     ``[ceil(T/2), ceil(F/2), C_out]``, as products of the strided input with the taps."""
@@ -256,15 +240,16 @@ class AudioTower:
         h = _layer_norm_relu(_conv_stride2(feats[:, :, None], w0), n0, eps)
         h = _layer_norm_relu(_conv_stride2(h, w1), n1, eps)
         x = self.input_proj.matmul(h.reshape(h.shape[0], -1))
-        g = min(cfg.gradient_clipping, float(np.finfo(np.float32).max))
+        g = np.float32(min(cfg.gradient_clipping, float(np.finfo(np.float32).max)))
         for layer in self.layers:
             x = self._feed_forward(layer.ff1, x, g)
-            h = rms_norm(np.clip(x, -g, g), layer.norms[0], DEFAULT_EPS)
-            a = _clamp(self._attention(layer, h), g)
-            x = x + rms_norm(a, layer.norms[1], DEFAULT_EPS)
+            h = _norm(x, (-g, g), layer.norms[0], DEFAULT_EPS)
+            post = layer.post
+            a = post.w.matmul(self._attention(layer, h))
+            x = _norm(a, _then_clamp(post.out_bounds, g), layer.norms[1], DEFAULT_EPS, res=x, out=a)
             x = self._light_conv(layer, x, g)
             x = self._feed_forward(layer.ff2, x, g)
-            x = rms_norm(_clamp(x, g), layer.norms[2], DEFAULT_EPS)
+            x = _norm(x, (-g, g), layer.norms[2], DEFAULT_EPS, out=x)
         return self.output_proj.matmul(x) + self.output_bias
 
     def project(self, s: np.ndarray) -> np.ndarray:
@@ -273,15 +258,18 @@ class AudioTower:
             return np.zeros((0, self.text_hidden_size), np.float32)
         return self.embed.matmul(rms_norm(s, None, self.cfg.rms_norm_eps))
 
-    def _feed_forward(self, ff: FeedForward, x: np.ndarray, g: float) -> np.ndarray:
-        h = rms_norm(np.clip(x, -g, g), ff.norms[0], DEFAULT_EPS)
-        h = _clamp(ff.down(_silu(ff.up(h))), g)
-        h = rms_norm(h, ff.norms[1], DEFAULT_EPS)
-        h *= np.float32(self.cfg.residual_weight)
-        h += x  # x + the scaled update: the same sum
-        return h
+    def _feed_forward(self, ff: FeedForward, x: np.ndarray, g: np.float32) -> np.ndarray:
+        """``x + w_res * post(clamp(down(silu(up(pre(clamp(x)))))))``, the clipped linears' bounds
+        and the clamps folded into the stages around the two products."""
+        up, down = ff.up, ff.down
+        y = up.w.matmul(_norm(x, (-g, g), ff.norms[0], DEFAULT_EPS, up.in_bounds))
+        clip_silu_clip(y, *up.out_bounds, *down.in_bounds)
+        h = down.w.matmul(y)
+        return _norm(h, _then_clamp(down.out_bounds, g), ff.norms[1], DEFAULT_EPS,
+                     scale=self.cfg.residual_weight, res=x, out=h)
 
     def _attention(self, layer: AudioLayer, h: np.ndarray) -> np.ndarray:
+        """The heads' outputs ``[T, H]``, clipped to ``post``'s input bounds."""
         cfg = self.cfg
         t, nh, d, band = h.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.band
         k_scale = np.float32(math.log(1 + math.e) / math.log(2))
@@ -294,18 +282,41 @@ class AudioTower:
         out = np.empty((t, nh, d), np.float32)
         banded_attention(np.ascontiguousarray(q), np.ascontiguousarray(k), v, rel,
                          np.float32(cfg.attention_logit_cap), np.float32(cfg.attention_invalid_logits_value), out)
-        return layer.post(out.reshape(t, nh * d))
+        out = out.reshape(t, nh * d)  # post's input, clipped (its product and output clip: the caller's)
+        lo, hi = layer.post.in_bounds
+        return np.clip(out, lo, hi, out=out) if layer.post.clip is not None else out
 
-    def _light_conv(self, layer: AudioLayer, x: np.ndarray, g: float) -> np.ndarray:
-        H, taps = self.cfg.hidden_size, layer.conv_weight.shape[0]
-        h = layer.conv_start(rms_norm(x, layer.conv_norms[0], self.cfg.rms_norm_eps))
-        h = h[:, :H] * (np.float32(0.5) + np.float32(0.5) * np.tanh(h[:, H:] * np.float32(0.5)))  # GLU
-        hp = np.concatenate([np.zeros((taps - 1, H), np.float32), h])
-        c = np.zeros_like(h)
-        for j in range(taps):  # causal depthwise: output t reads inputs t - (taps - 1) .. t
-            c += hp[j:j + h.shape[0]] * layer.conv_weight[j]
-        c = rms_norm(_clamp(c, g), layer.conv_norms[1], self.cfg.rms_norm_eps)
-        return x + layer.conv_end(_silu(c))
+    def _light_conv(self, layer: AudioLayer, x: np.ndarray, g: np.float32) -> np.ndarray:
+        eps, start, end = self.cfg.rms_norm_eps, layer.conv_start, layer.conv_end
+        h = start.w.matmul(_norm(x, _NO_CLIP, layer.conv_norms[0], eps, start.in_bounds))
+        c = np.empty((h.shape[0], self.cfg.hidden_size), np.float32)
+        glu_causal_conv(h, *start.out_bounds, layer.conv_weight, c)  # clip, GLU, causal depthwise taps
+        y = end.w.matmul(_norm(c, (-g, g), layer.conv_norms[1], eps, end.in_bounds, silu=True, out=c))
+        if end.clip is not None:
+            np.clip(y, *end.out_bounds, out=y)
+        y += x  # x + the update: the same sum
+        return y
+
+
+_NO_CLIP = (np.float32(-np.inf), np.float32(np.inf))
+_NO_WEIGHT = np.zeros(0, np.float32)
+_NO_RES = np.zeros((0, 0), np.float32)
+
+
+def _then_clamp(bounds: tuple[np.float32, np.float32], g: np.float32) -> tuple[np.float32, np.float32]:
+    """One clip equal to ``clip(clip(y, *bounds), -g, g)`` (each bound clamped to [-g, g])."""
+    return tuple(np.float32(min(max(b, -g), g)) for b in bounds)
+
+
+def _norm(x: np.ndarray, pre: tuple, w: np.ndarray | None, eps: float, post: tuple = _NO_CLIP, *,
+          silu: bool = False, scale: float = 1.0, res: np.ndarray | None = None,
+          out: np.ndarray | None = None) -> np.ndarray:
+    """``clip(silu?(rms_norm(clip(x, *pre), w)), *post) * scale + res`` in one pass over the rows
+    (`numba_ops.norm_stage`), into ``out`` (default: a new array; ``x`` itself is fine)."""
+    out = np.empty_like(x) if out is None else out
+    norm_stage(x, *pre, _NO_WEIGHT if w is None else w, float(eps), silu, *post, np.float32(scale),
+               _NO_RES if res is None else res, out)
+    return out
 
 
 # ------------------------------------------------------------------------------------------

@@ -72,6 +72,19 @@ def f32_matmul_small(x, w, out):  # pragma: no cover - compiled
             out[t, r] = dot_tile((w[r],), (x[t],))[0]
 
 
+@njit(inline="always", **EXACT)
+def _gelu_tanh_mul_at(a, b, out, i):  # pragma: no cover - compiled
+    x = a[i]
+    u = x * x
+    u = u * x
+    u = u * np.float32(0.044715)
+    u = u + x
+    z = u * np.float32(1.5957691216057308)  # 2 sqrt(2 / pi)
+    e = exp_nonpositive(-abs(z))
+    s = (np.float32(1.0) if z >= 0 else e) / (np.float32(1.0) + e)
+    out[i] = (x * s) * b[i]
+
+
 @njit(**EXACT)
 def gelu_tanh_mul_flat(a, b, out):  # pragma: no cover - compiled
     """``out = gelu_tanh(a) * b`` over flat contiguous arrays, GELU's tanh approximation as
@@ -81,15 +94,19 @@ def gelu_tanh_mul_flat(a, b, out):  # pragma: no cover - compiled
     float arithmetic that vectorises (as fast as numpy's SIMD tanh); no fastmath, so the bits do not
     depend on where it is compiled: the uncompiled and the compiled decode step share it."""
     for i in range(a.shape[0]):
-        x = a[i]
-        u = x * x
-        u = u * x
-        u = u * np.float32(0.044715)
-        u = u + x
-        z = u * np.float32(1.5957691216057308)  # 2 sqrt(2 / pi)
-        e = exp_nonpositive(-abs(z))
-        s = (np.float32(1.0) if z >= 0 else e) / (np.float32(1.0) + e)
-        out[i] = (x * s) * b[i]
+        _gelu_tanh_mul_at(a, b, out, i)
+
+
+GELU_CHUNK = 8192  # values per task of the parallel GELU
+
+
+@njit(parallel=True, **EXACT)
+def gelu_tanh_mul_parallel(a, b, out):  # pragma: no cover - compiled
+    """`gelu_tanh_mul_flat` in chunks spread over the threads (prefill): each value the same bits."""
+    n = a.shape[0]
+    for c in prange((n + GELU_CHUNK - 1) // GELU_CHUNK):
+        for i in range(c * GELU_CHUNK, min(n, (c + 1) * GELU_CHUNK)):
+            _gelu_tanh_mul_at(a, b, out, i)
 
 
 @njit(**EXACT)
@@ -559,3 +576,70 @@ def banded_attention(q, k, v, rel, cap, invalid, out):  # pragma: no cover - com
                     vr = v[kt, h]
                     for d in range(D):
                         o[d] += p * vr[d]
+
+
+# --------------------------------------------------------------------------- encoder row stages
+# The audio tower's elementwise stages between its products, each fused into one parallel pass over
+# the rows: clip bounds (ClippableLinear's, the tower's gradient clamp), RMSNorm, SiLU, the scaled
+# residual. Every float operation is the one the stage-by-stage numpy code performs, in its order.
+
+
+@njit(inline="always", **EXACT)
+def _silu(y):  # pragma: no cover - compiled
+    """``y * sigmoid(y)``, the sigmoid from `exp_nonpositive` of ``-|y|`` (vectorizes; a few ulps)."""
+    e = exp_nonpositive(-abs(y))
+    r = np.float32(1.0) / (np.float32(1.0) + e)
+    return y * (r if y >= 0 else e * r)
+
+
+@njit(parallel=True, **EXACT)
+def norm_stage(x, lo, hi, w, eps, silu, lo2, hi2, scale, res, out):  # pragma: no cover - compiled
+    """Per row of ``x [T, d]``: ``clip(x, lo, hi)``, RMSNorm (`rms_norm_rows`' arithmetic; ``w``
+    empty: scale-free), then SiLU if ``silu``, ``clip(·, lo2, hi2)``, ``· * scale`` and ``+ res``
+    (``res`` ``[T, d]``, or empty: nothing added) into ``out`` (may be ``x``)."""
+    d = x.shape[1]
+    for r in prange(x.shape[0]):
+        for c in range(d):
+            v = x[r, c]
+            out[r, c] = min(max(v, lo), hi)
+        s = sum_squares64(out[r])
+        inv = np.float32((s / d + eps) ** -0.5)
+        for c in range(d):
+            y = (out[r, c] * inv) * w[c] if w.shape[0] > 0 else out[r, c] * inv
+            if silu:
+                y = _silu(y)
+            y = min(max(y, lo2), hi2) * scale
+            out[r, c] = y + res[r, c] if res.shape[0] > 0 else y
+
+
+@njit(parallel=True, **EXACT)
+def clip_silu_clip(x, lo, hi, lo2, hi2):  # pragma: no cover - compiled
+    """In place on ``x [T, d]``: ``clip(silu(clip(x, lo, hi)), lo2, hi2)`` (a clipped projection's
+    output through SiLU into the next one's clipped input)."""
+    for r in prange(x.shape[0]):
+        for c in range(x.shape[1]):
+            x[r, c] = min(max(_silu(min(max(x[r, c], lo), hi)), lo2), hi2)
+
+
+@njit(parallel=True, **EXACT)
+def glu_causal_conv(h, lo, hi, taps, out):  # pragma: no cover - compiled
+    """The light convolution's middle: ``a = clip(h, lo, hi)``, GLU ``a[:, :H] * sigmoid(a[:, H:])``,
+    then the causal depthwise convolution ``out[t] = sum_j glu[t - (K - 1) + j] * taps[j]`` (``taps
+    [K, H]``, oldest first; rows before the first are zeros), summed in tap order from zero."""
+    t_all, H = out.shape
+    kk = taps.shape[0]
+    g = np.empty((t_all, H), dtype=np.float32)
+    for t in prange(t_all):
+        for c in range(H):
+            a = min(max(h[t, c], lo), hi)
+            b = min(max(h[t, H + c], lo), hi)
+            e = exp_nonpositive(-abs(b))
+            r = np.float32(1.0) / (np.float32(1.0) + e)
+            g[t, c] = a * (r if b >= 0 else e * r)
+    for t in prange(t_all):
+        for c in range(H):
+            out[t, c] = np.float32(0.0)
+        for j in range(max(0, kk - 1 - t), kk):  # a zero row's term adds nothing
+            src = t - (kk - 1) + j
+            for c in range(H):
+                out[t, c] += g[src, c] * taps[j, c]

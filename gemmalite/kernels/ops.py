@@ -12,7 +12,8 @@ import numpy as np
 
 from . import common
 from .numba_ops import (KEY_BLOCK, attention_blocked, attention_decode, attention_rows, gelu_tanh_mul_flat,
-                        key_block_bounds, rms_norm_rows, rms_norm_rows_parallel, rope_rows, softmax_rows_serial)
+                        gelu_tanh_mul_parallel, key_block_bounds, rms_norm_rows, rms_norm_rows_parallel, rope_rows,
+                        softmax_rows_serial)
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
@@ -22,7 +23,7 @@ THREADED_HEADS_MIN_ROWS = 64
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
-PARALLEL_NORM_MIN = 1 << 16  # values from which RMSNorm spreads its rows over the threads (prefill, not decode)
+PARALLEL_NORM_MIN = 1 << 16  # values from which RMSNorm and GELU spread over the threads (prefill, not decode)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
@@ -37,11 +38,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
 def gelu_tanh_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``gelu_tanh(a) * b`` (tanh-approximate GELU, ``gelu_pytorch_tanh``) on a fresh buffer, by
-    `numba_ops.gelu_tanh_mul_flat` (one vectorised pass; the compiled decode step calls it too)."""
+    `numba_ops.gelu_tanh_mul_flat` (one vectorised pass; the compiled decode step calls it too), its
+    values spread over the threads from PARALLEL_NORM_MIN values on (the same bits)."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     b = np.ascontiguousarray(b if b.shape == a.shape else np.broadcast_to(b, a.shape), dtype=np.float32)
     t = np.empty_like(a)
-    gelu_tanh_mul_flat(a.reshape(-1), b.reshape(-1), t.reshape(-1))
+    gelu = gelu_tanh_mul_parallel if a.size >= PARALLEL_NORM_MIN else gelu_tanh_mul_flat
+    gelu(a.reshape(-1), b.reshape(-1), t.reshape(-1))
     return t
 
 

@@ -8,6 +8,7 @@ from .matrix import Matrix
 
 #: the scalar buffers stored beside ``<name>.linear.weight``
 CLIP_KEYS = ("input_min", "input_max", "output_min", "output_max")
+_OPEN = (np.float32(-np.inf), np.float32(np.inf))  # no bound
 
 
 class Linear:
@@ -16,6 +17,15 @@ class Linear:
     def __init__(self, w: Matrix, clip: tuple[float, float, float, float] | None = None):
         self.w = w
         self.clip = None if clip is None or all(np.isinf(clip)) else tuple(np.float32(c) for c in clip)
+
+    @property
+    def in_bounds(self) -> tuple[np.float32, np.float32]:
+        """(lo, hi) of the input clip (the whole float32 range without one), for fused stages."""
+        return _OPEN if self.clip is None else self.clip[:2]
+
+    @property
+    def out_bounds(self) -> tuple[np.float32, np.float32]:
+        return _OPEN if self.clip is None else self.clip[2:]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.clip is None:

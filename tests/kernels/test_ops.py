@@ -260,3 +260,85 @@ def test_rms_norm_matches_float64(shape):
     inv = 1 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(rms_norm(x, w, 1e-6), x64 * inv * w, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(rms_norm(x, None, 1e-6), x64 * inv, rtol=1e-6, atol=1e-6)
+
+
+def test_parallel_gelu_is_the_serial_one_to_the_bit():
+    from gemmalite.kernels.numba_ops import GELU_CHUNK, gelu_tanh_mul_flat, gelu_tanh_mul_parallel
+
+    rng = np.random.default_rng(5)
+    n = 3 * GELU_CHUNK + 17  # a ragged last chunk
+    a, b = (rng.standard_normal((2, n)) * 4).astype(np.float32)
+    want, got = np.empty_like(a), np.empty_like(a)
+    gelu_tanh_mul_flat(a, b, want)
+    gelu_tanh_mul_parallel(a, b, got)
+    np.testing.assert_array_equal(got, want)
+
+
+def _silu64(x):
+    return x / (1 + np.exp(-x))
+
+
+def _within_exp_rounding(got, ref, x):
+    """Within 4 float32 ulps of the result times the conditioning of ``exp``'s argument (``1 +
+    |x|``: the sigmoid's ``e^-|x|`` is taken of ``x log2(e)`` rounded to float32, as in
+    `test_gelu_tanh_mul_within_float32_rounding_of_float64`), wherever the result is a normal float."""
+    ref = np.asarray(ref, np.float64)
+    normal = np.abs(ref) >= 1e-30
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    err = np.abs(got - ref)
+    assert np.all(err[normal] <= 4 * ulp[normal] * (1 + np.abs(x[normal])))
+    assert np.all(err[~normal] <= 1e-30)
+
+
+def test_norm_stage_is_the_stages_one_after_another():
+    """The audio tower's fused row stage: clip, RMSNorm, clip, scale and residual bit for bit
+    the numpy stages (`ops.rms_norm` and ``np.clip``), in place or not; with SiLU, within a
+    few float32 ulps of float64 SiLU of the same normed values."""
+    from gemmalite.kernels.numba_ops import norm_stage
+    from gemmalite.kernels.ops import rms_norm
+
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((40, 96)) * 3).astype(np.float32)
+    res = rng.standard_normal(x.shape).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    lo, hi, lo2, hi2 = (np.float32(v) for v in (-2.5, 4.0, -0.7, 0.9))
+    normed = rms_norm(np.clip(x, lo, hi), w, 1e-6)
+    want = np.clip(normed, lo2, hi2) * np.float32(0.5) + res
+    got = np.empty_like(x)
+    norm_stage(x, lo, hi, w, 1e-6, False, lo2, hi2, np.float32(0.5), res, got)
+    np.testing.assert_array_equal(got, want)
+    inplace = x.copy()
+    norm_stage(inplace, lo, hi, np.zeros(0, np.float32), 1e-6, False, -np.float32(np.inf), np.float32(np.inf),
+               np.float32(1.0), np.zeros((0, 0), np.float32), inplace)
+    np.testing.assert_array_equal(inplace, rms_norm(np.clip(x, lo, hi), None, 1e-6))
+    norm_stage(x, lo, hi, w, 1e-6, True, lo2, hi2, np.float32(1.0), np.zeros((0, 0), np.float32), got)
+    ref = np.clip(_silu64(normed.astype(np.float64)), lo2, hi2)
+    _within_exp_rounding(got, ref, normed)
+
+
+def test_clip_silu_clip_within_float32_rounding_of_float64():
+    from gemmalite.kernels.numba_ops import clip_silu_clip
+
+    x = np.concatenate([np.linspace(-40, 40, 4001), [0.0, -0.0, 1e-30]]).astype(np.float32).reshape(1, -1)
+    got = x.copy()
+    clip_silu_clip(got, np.float32(-30), np.float32(20), np.float32(-0.2), np.float32(15))
+    ref = np.clip(_silu64(np.clip(x.astype(np.float64), -30, 20)), -0.2, 15)
+    _within_exp_rounding(got, ref, np.clip(x, -30, 20))
+
+
+def test_glu_causal_conv_matches_float64():
+    """Clip, GLU and the causal depthwise taps (oldest first; rows before the first are zeros)."""
+    from gemmalite.kernels.numba_ops import glu_causal_conv
+
+    rng = np.random.default_rng(7)
+    T, H, K = 23, 16, 5
+    h = (rng.standard_normal((T, 2 * H)) * 4).astype(np.float32)
+    taps = rng.standard_normal((K, H)).astype(np.float32)
+    out = np.empty((T, H), np.float32)
+    glu_causal_conv(h, np.float32(-3), np.float32(5), taps, out)
+    a = np.clip(h.astype(np.float64), -3, 5)
+    g = a[:, :H] / (1 + np.exp(-a[:, H:]))
+    gp = np.concatenate([np.zeros((K - 1, H)), g])
+    ref = sum(gp[j:j + T] * taps[j].astype(np.float64) for j in range(K))
+    bound = 8 * np.finfo(np.float32).eps * sum(np.abs(gp[j:j + T] * taps[j]) for j in range(K))
+    assert np.all(np.abs(out - ref) <= bound + 1e-30)

@@ -90,3 +90,40 @@ def test_chunked_prefill_checks_the_context_first(pair, gl, monkeypatch, tmp_pat
     with pytest.raises(gl.ContextError):
         eng.prefill(state, np.array(PROMPT[10:]))
     assert state.length == 10 and state.tokens == PROMPT[:10]
+
+
+def test_kept_rows_skip_the_work_no_layer_reads(pair, monkeypatch):
+    """With ``keep``, the last layer that owns K/V computes every row's K/V but its queries, MLP
+    and PLE only for the kept rows, as the KV-shared layers after it: the kept rows' outputs and
+    the cache (the decode steps after) are those of a pass with every layer on every row."""
+    _, model = pair
+    eng = model.engine
+    graph = eng.graph
+    last_owner = graph.layers[graph.cfg.first_shared_layer - 1]
+    rows_seen = []
+    down = last_owner.down
+    monkeypatch.setattr(last_owner, "down", _Spy(down, rows_seen))
+    keep = np.array([149, 3, -1, 70])
+    full_state, state = eng.new_state(), eng.new_state()
+    ref = eng.forward(full_state, np.array(PROMPT))[keep]
+    assert rows_seen == [len(PROMPT)]
+    got = eng.forward(state, np.array(PROMPT), keep=keep)
+    assert rows_seen[1:] == [len(keep)]
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    cont = random_ids(5, VOCAB, seed=9)
+    np.testing.assert_allclose([eng.decode_step(state, t) for t in cont],
+                               [eng.decode_step(full_state, t) for t in cont], atol=1e-5, rtol=0)
+
+
+class _Spy:
+    """A matrix that records the rows of each product it is asked for."""
+
+    def __init__(self, m, seen):
+        self._m, self._seen = m, seen
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def matmul(self, x):
+        self._seen.append(x.shape[0])
+        return self._m.matmul(x)

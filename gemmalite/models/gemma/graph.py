@@ -171,18 +171,25 @@ class DecoderGraph:
             return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         if capture is not None:
             capture.append(h.copy())
+        # The last layer that owns K/V is the last that needs every row, and only for its K/V:
+        # from its queries on, only the kept rows (the KV-shared layers after it read nothing else)
+        trim = cfg.first_shared_layer - 1 if capture is None and len(rows) < h.shape[0] else None
         for spec, w in zip(cfg.layers, self.layers):
-            if spec.index == cfg.first_shared_layer and capture is None and len(rows) < h.shape[0]:
-                h, pos = h[rows], pos[rows]
-                ple = ple[rows] if ple is not None else None
-                ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
-                rows = np.arange(len(rows))
-                if len(groups) > 1:  # one row left per sequence: products as one-row steps
-                    groups = [_Group(g.state, slice(b, b + 1), g.start, g.shared) for b, g in enumerate(groups)]
-                    each = True
-            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each)
-            if capture is not None:
-                capture.append(h.copy())
+            if spec.index != trim:
+                h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each)
+                if capture is not None:
+                    capture.append(h.copy())
+                continue
+            # one row left per sequence: products as one-row steps
+            kept_each = True if len(groups) > 1 else each
+            h = self._layer(spec, w, h, ple, pos, ropes[spec.rope], groups, each, rows, kept_each)
+            pos = pos[rows]
+            ple = ple[rows] if ple is not None else None
+            ropes = {r: (c[rows], s[rows]) for r, (c, s) in ropes.items()}
+            rows = np.arange(len(rows))
+            if len(groups) > 1:
+                groups = [_Group(g.state, slice(b, b + 1), g.start, g.shared) for b, g in enumerate(groups)]
+            each = kept_each
         h = h[rows] if len(rows) < h.shape[0] else h
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
@@ -203,11 +210,14 @@ class DecoderGraph:
         tok = tok_rows.reshape(T, cfg.num_hidden_layers, cfg.ple_dim)
         return (ctx + tok) * np.float32(2.0**-0.5)
 
-    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, groups: list["_Group"], each=False) -> np.ndarray:
+    def _layer(self, spec, w: LayerWeights, h, ple, pos, rope, groups: list["_Group"], each=False,
+               keep: np.ndarray | None = None, kept_each=False) -> np.ndarray:
         """One decoder layer over the rows of ``h``; each group's rows attend to its own state.
-        ``each``: how products treat the rows (`_mm`)."""
+        ``each``: how products treat the rows (`_mm`). With ``keep`` (row indices, in group order)
+        every row's K/V and only the kept rows' output (products on them as ``kept_each`` says)."""
         cfg = self.cfg
         window = cfg.sliding_window if spec.sliding else None
+        qpos = pos if keep is None else pos[keep]
 
         def attend(q, k, v):
             outs = []
@@ -217,27 +227,40 @@ class DecoderGraph:
                     g.shared[spec.index] = kv
                 else:
                     kv = g.shared[spec.kv_source]
-                outs.append(attention(q[g.rows], kv[0], kv[1], pos[g.rows], kv[2], window, cfg.attn_scale,
+                mine = g.rows if keep is None or len(groups) == 1 else _kept_of(keep, g.rows, pos.shape[0])
+                outs.append(attention(q[mine], kv[0], kv[1], qpos[mine], kv[2], window, cfg.attn_scale,
                                       self._blas_free))
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-        return layer_step(cfg, spec, w, h, None if ple is None else ple[:, spec.index, :], rope, attend, each)
+        return layer_step(cfg, spec, w, h, None if ple is None else ple[:, spec.index, :], rope, attend, each,
+                          keep, kept_each)
 
 
 def layer_step(cfg: ModelConfig, spec, w: LayerWeights, h: np.ndarray, ple: np.ndarray | None,
-               rope: tuple[np.ndarray, np.ndarray], attend, each: "bool | list[slice] | str" = False) -> np.ndarray:
+               rope: tuple[np.ndarray, np.ndarray], attend, each: "bool | list[slice] | str" = False,
+               keep: np.ndarray | None = None, kept_each: "bool | list[slice] | str" = False) -> np.ndarray:
     """One Gemma layer on rows ``h [T, H]`` (the decoder's and the encoder's): ``ple`` this layer's
-    PLE slice ``[T, P]`` or None; ``attend(q, k, v) -> [T, nq*D]`` runs attention (and keeps a cache
-    if the caller has one), ``k``/``v`` None on KV-shared layers. ``each``: how products treat the
-    rows (`_mm`: one product, each row alone, each sequence's rows as its own product, or ALIKE)."""
+    PLE slice ``[T, P]`` or None; ``attend(q, k, v) -> [len(q), nq*D]`` runs attention (and keeps a
+    cache if the caller has one), ``k``/``v`` None on KV-shared layers. ``each``: how products treat
+    the rows (`_mm`: one product, each row alone, each sequence's rows as its own product, or
+    ALIKE). ``keep`` (row indices): K/V of every row, but queries and everything after them only
+    for the kept rows (products as ``kept_each``), whose outputs are returned: the last layer any
+    later layer reads K/V from, when only some rows' outputs are wanted."""
     eps, T, nq, D = cfg.rms_norm_eps, h.shape[0], cfg.num_attention_heads, spec.head_dim
     cos, sin = rope
     bias = w.bias or {}
 
     a = rms_norm(h, w.ln_in, eps)
     names = (("q", "k") if spec.k_eq_v else ("q", "k", "v")) if spec.owns_kv else ("q",)
-    qkv = [_bias(y, bias.get(n)) for n, y in zip(names, _mm_all([getattr(w, n) for n in names], a, each))]
-    q = apply_rope(rms_norm(qkv[0].reshape(T, nq, D), w.q_norm, eps), cos, sin)
+    if keep is None:
+        qkv = [_bias(y, bias.get(n)) for n, y in zip(names, _mm_all([getattr(w, n) for n in names], a, each))]
+        cq, sq = cos, sin
+    else:
+        kv = _mm_all([getattr(w, n) for n in names[1:]], a, each)
+        qkv = [_bias(y, bias.get(n)) for n, y in zip(names, [_mm(w.q, a[keep], kept_each)] + kv)]
+        h, cq, sq, each = h[keep], cos[keep], sin[keep], kept_each
+        ple = ple[keep] if ple is not None else None
+    q = apply_rope(rms_norm(qkv[0].reshape(h.shape[0], nq, D), w.q_norm, eps), cq, sq)
     k = v = None
     if spec.owns_kv:
         kr = qkv[1].reshape(T, spec.num_kv_heads, D)
@@ -278,6 +301,12 @@ def _write_kv(ring: KVRing, k: np.ndarray, v: np.ndarray, pos: np.ndarray, start
         return kv
     ring.write(k, v, start)
     return ring.view()
+
+
+def _kept_of(keep: np.ndarray, rows: slice, n: int) -> np.ndarray:
+    """Positions in ``keep`` of the kept rows that lie in ``rows`` (a group's slice of ``n`` rows)."""
+    lo, hi, _ = rows.indices(n)
+    return np.flatnonzero((keep >= lo) & (keep < hi))
 
 
 def _check_room(state: KVState, n: int) -> None:
