@@ -26,7 +26,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["LANES", "dot_tile", "lane_sum", "sum_squares64"]
+from .common import _FEATURES
+
+__all__ = ["CHUNK", "LANES", "dot_tile", "lane_sum", "sum_squares64", "weighted_rows"]
 
 LANES = 16  # float32 lanes per sum: one AVX-512 register, two AVX2 ones
 _F32, _F64, _I32, _I64 = ir.FloatType(), ir.DoubleType(), ir.IntType(32), ir.IntType(64)
@@ -176,3 +178,89 @@ def sum_squares64(typingctx, x):
         return _sums(builder, rows, n, square, 1, True)[0]
 
     return types.float64(x), codegen
+
+
+# accumulator tile of `weighted_rows`: 4 rows x CHUNK floats in registers (16 of AVX-512's 32 zmm,
+# 8 of AVX2's 16 ymm), V loaded once per key for the 4 rows
+_AVX512 = "+avx512f" in _FEATURES
+_VEC = 16 if _AVX512 else 8
+CHUNK = 4 * _VEC if _AVX512 else 2 * _VEC
+
+
+@intrinsic
+def weighted_rows(typingctx, p, r0, v, j0, kh, jlo, jhi, acc):
+    """``acc[r0 + i, :] += sum_j p[r0 + i, j] * v[j0 + j, kh, :]`` for ``i < 4`` and ``j`` from
+    ``jlo`` to ``jhi - 1`` (attention's probabilities times V): ``p`` float32 ``[R, KB]``, ``v``
+    float32 ``[N, kv, D]``, ``acc`` float32 ``[R, D]``, all C-contiguous. Each element of ``acc``
+    takes its terms one by one in key order (a product fused into its sum where the CPU has FMA),
+    the same chain whatever the rows and however D is tiled: the accumulators stay in registers
+    over the keys, a CHUNK of D at a time."""
+    f2 = types.Array(types.float32, 2, "C")
+    if not (p == f2 and acc == f2 and v == types.Array(types.float32, 3, "C")):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pa, r0v, va, j0v, khv, lo, hi, aa = args
+        pp = context.make_array(p)(context, builder, pa)
+        vv = context.make_array(v)(context, builder, va)
+        ac = context.make_array(acc)(context, builder, aa)
+        kb = cgutils.unpack_tuple(builder, pp.shape)[1]
+        nkv, d = cgutils.unpack_tuple(builder, vv.shape)[1:]
+        prow = [builder.gep(pp.data, [builder.mul(builder.add(r0v, _c64(i)), kb)], inbounds=True) for i in range(4)]
+        arow = [builder.gep(ac.data, [builder.mul(builder.add(r0v, _c64(i)), d)], inbounds=True) for i in range(4)]
+
+        def vrow(j):  # pointer to v[j0 + j, kh, 0]
+            return builder.gep(vv.data, [builder.mul(builder.add(builder.mul(builder.add(j0v, j), nkv), khv), d)],
+                               inbounds=True)
+
+        def tile(width: int, nvec: int):
+            """The loop over D in chunks of ``nvec`` vectors of ``width`` lanes (1: scalars), from
+            where the previous one stopped; returns where it stopped."""
+            def load(ptr, at):
+                q = builder.gep(ptr, [at], inbounds=True)
+                if width == 1:
+                    return builder.load(q)
+                return builder.load(builder.bitcast(q, ir.VectorType(_F32, width).as_pointer()), align=4)
+
+            def store(val, ptr, at):
+                q = builder.gep(ptr, [at], inbounds=True)
+                if width > 1:
+                    q = builder.bitcast(q, ir.VectorType(_F32, width).as_pointer())
+                builder.store(val, q, align=4)
+
+            def splat(x):
+                if width == 1:
+                    return x
+                u = builder.insert_element(ir.Constant(ir.VectorType(_F32, width), ir.Undefined), x, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(u, u, ir.Constant(ir.VectorType(_I32, width), [0] * width))
+
+            step = width * nvec
+
+            def chunk(c, _):
+                offs = [builder.add(c, _c64(width * u)) for u in range(nvec)]
+                accs = [load(arow[i], o) for i in range(4) for o in offs]
+
+                def key(j, accs):
+                    vr = vrow(j)
+                    vs = [load(vr, o) for o in offs]
+                    ps = [splat(builder.load(builder.gep(prow[i], [j], inbounds=True))) for i in range(4)]
+                    return [builder.fadd(accs[i * nvec + u], builder.fmul(ps[i], vs[u], flags=_CONTRACT),
+                                         flags=_CONTRACT) for i in range(4) for u in range(nvec)]
+
+                accs = _loop(builder, "wrows.key", lo, hi, 1, accs, key)
+                for i in range(4):
+                    for u, o in enumerate(offs):
+                        store(accs[i * nvec + u], arow[i], o)
+                return []
+
+            start = tile.at
+            stop = builder.add(start, builder.mul(builder.sdiv(builder.sub(d, start), _c64(step)), _c64(step)))
+            _loop(builder, f"wrows.d{width}", start, stop, step, [], chunk)
+            tile.at = stop
+
+        tile.at = _c64(0)
+        tile(_VEC, CHUNK // _VEC)
+        tile(1, 1)
+        return context.get_dummy_value()
+
+    return types.void(p, r0, v, j0, kh, jlo, jhi, acc), codegen

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from .common import EXACT, FAST, bits_to_f32, prefetch
-from .fdot import dot_tile, lane_sum, sum_squares64
+from .fdot import dot_tile, lane_sum, sum_squares64, weighted_rows
 
 ROWS_PER_TASK = 64
 PREFETCH_STRIPS = 4  # matmul_tiles: 4-row strips ahead whose weights are prefetched
@@ -421,7 +421,9 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
     that no query of the task may see (by the positions in ``blk_min`` / ``blk_max``) is
     skipped, so a sliding layer costs O(T x window) whatever the order of the ring's slots.
     Four query rows share each load of K and V (scores: `dot_tile`; a block's sum of exponentials:
-    `lane_sum`, masked keys at 0, so a row's result depends on no other row). Scratch is
+    `lane_sum`, masked keys at 0, so a row's result depends on no other row; the weighted sum of
+    V: `weighted_rows`, the four rows' accumulators in registers over the keys any of them weighs,
+    the others' zero weights adding nothing). Scratch is
     O(QUERY_ROWS x D) per task:
     memory stays flat on long prompts. Same visibility rule as `attention_rows` (``window``
     0: none); a query that sees no key gets zeros (never in the engine: it sees itself)."""
@@ -497,43 +499,20 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
             for r in range(nr, QUERY_ROWS):  # rows past the end weigh nothing
                 for jj in range(nk):
                     s[r, jj] = 0
-            for jj in range(nk, KEY_BLOCK):  # nor do keys past the end
-                for r in range(QUERY_ROWS):
-                    s[r, jj] = 0
-            for r0 in range(0, nr, 4):  # weighted sum of V: 4 rows x 4 keys per pass over D
-                for jj in range(0, nk, 4):
-                    ja = j0 + jj
-                    jb = j0 + min(jj + 1, nk - 1)
-                    jc = j0 + min(jj + 2, nk - 1)
-                    jd = j0 + min(jj + 3, nk - 1)
-                    p00 = s[r0, jj]
-                    p01 = s[r0, jj + 1]
-                    p02 = s[r0, jj + 2]
-                    p03 = s[r0, jj + 3]
-                    p10 = s[r0 + 1, jj]
-                    p11 = s[r0 + 1, jj + 1]
-                    p12 = s[r0 + 1, jj + 2]
-                    p13 = s[r0 + 1, jj + 3]
-                    p20 = s[r0 + 2, jj]
-                    p21 = s[r0 + 2, jj + 1]
-                    p22 = s[r0 + 2, jj + 2]
-                    p23 = s[r0 + 2, jj + 3]
-                    p30 = s[r0 + 3, jj]
-                    p31 = s[r0 + 3, jj + 1]
-                    p32 = s[r0 + 3, jj + 2]
-                    p33 = s[r0 + 3, jj + 3]
-                    if (p00 + p01 + p02 + p03 + p10 + p11 + p12 + p13 + p20 + p21 + p22 + p23
-                            + p30 + p31 + p32 + p33) == 0:
-                        continue
-                    for d in range(D):  # a chain from the sum so far: four fused multiply-adds each
-                        va = v[ja, kh, d]
-                        vb = v[jb, kh, d]
-                        vc = v[jc, kh, d]
-                        vd = v[jd, kh, d]
-                        acc[r0, d] = (((acc[r0, d] + p00 * va) + p01 * vb) + p02 * vc) + p03 * vd
-                        acc[r0 + 1, d] = (((acc[r0 + 1, d] + p10 * va) + p11 * vb) + p12 * vc) + p13 * vd
-                        acc[r0 + 2, d] = (((acc[r0 + 2, d] + p20 * va) + p21 * vb) + p22 * vc) + p23 * vd
-                        acc[r0 + 3, d] = (((acc[r0 + 3, d] + p30 * va) + p31 * vb) + p32 * vc) + p33 * vd
+            for r0 in range(0, nr, 4):  # weighted sum of V: 4 rows in registers over the keys any of them weighs
+                jlo = nk
+                jhi = 0
+                for r in range(r0, r0 + 4):
+                    for jj in range(nk):
+                        if s[r, jj] != 0:
+                            jlo = min(jlo, jj)
+                            break
+                    for jj in range(nk - 1, -1, -1):
+                        if s[r, jj] != 0:
+                            jhi = max(jhi, jj + 1)
+                            break
+                if jhi > jlo:
+                    weighted_rows(s, r0, v, j0, kh, jlo, jhi, acc)
         for r in range(nr):
             inv = np.float32(1.0) / tot[r] if tot[r] > 0 else np.float32(0.0)
             for d in range(D):
