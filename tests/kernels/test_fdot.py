@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from gemmalite.kernels.fdot import LANES, dot_tile, lane_sum, sum_squares64
+from gemmalite.kernels.fdot import CHUNK, LANES, dot_tile, lane_sum, sum_squares64, weighted_rows
 
 LENGTHS = [0, 1, LANES - 1, LANES, LANES + 1, 40, 4 * LANES - 1, 4 * LANES, 130]
 
@@ -117,3 +117,28 @@ def test_rows_of_other_layouts_are_refused():
         _dot((x[:, 0],), (x[0],))  # a strided column
     with pytest.raises(TypingError):
         _sum(x[0].astype(np.float64))
+
+
+@njit
+def _weighted(p, r0, v, j0, kh, jlo, jhi, acc):
+    weighted_rows(p, r0, v, j0, kh, jlo, jhi, acc)
+
+
+@pytest.mark.parametrize("d", [CHUNK, 2 * CHUNK + 5, 3])
+def test_weighted_rows_adds_each_key_in_order(d):
+    """``acc[r0 + i] += p[r0 + i, j] * v[j0 + j, kh]`` for j in [jlo, jhi), key by key: on exact
+    products, equal to numpy adding the terms one by one (every other row and column untouched),
+    whether a column falls in a register chunk or the scalar tail."""
+    rng = np.random.default_rng(d)
+    p = _exact_products(rng, (8, 16))
+    v = _exact_products(rng, (30, 2, d))
+    acc = _exact_products(rng, (8, d))
+    want = acc.copy()
+    for j in range(3, 13):
+        want[4:8] = want[4:8] + p[4:8, j, None] * v[10 + j, 1]
+    got = acc.copy()
+    _weighted(p, 4, v, 10, 1, 3, 13, got)
+    np.testing.assert_array_equal(got, want)
+    same = acc.copy()
+    _weighted(p, 4, v, 10, 1, 5, 5, same)  # no keys: nothing added
+    np.testing.assert_array_equal(same, acc)
