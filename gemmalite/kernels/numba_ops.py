@@ -461,6 +461,15 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
             nk = min(N, j0 + KEY_BLOCK) - j0
             for jj in range(nk, KEY_BLOCK):
                 vm[jj] = False
+            # does every row of the task see every filled slot of the block (away from the diagonal
+            # and the window's edges)? Then the mask is the filled slots, once for all rows
+            if causal:
+                all_see = blk_max[kb] <= qlo and (window <= 0 or blk_min[kb] > qhi - window)
+            else:
+                all_see = window <= 0 or (blk_max[kb] - qlo <= window and qhi - blk_min[kb] <= window)
+            if all_see:
+                for jj in range(nk):
+                    vm[jj] = k_pos[j0 + jj] >= 0
             for r0 in range(0, nr, 4):  # scores: 4 rows x 4 keys per pass over D (rows / keys past the end repeat the last)
                 qa = q[t0 + r0, h]
                 qb = q[t0 + min(r0 + 1, nr - 1), h]
@@ -474,8 +483,9 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
                             s[r0 + i, jj + c] = d[4 * i + c] * scale
             for r in range(nr):  # mask, online softmax: rescale what came before if the max grew
                 qp = q_pos[t0 + r]
-                for jj in range(nk):
-                    vm[jj] = visible(k_pos[j0 + jj], qp, window, causal)
+                if not all_see:
+                    for jj in range(nk):
+                        vm[jj] = visible(k_pos[j0 + jj], qp, window, causal)
                 best = LOWEST
                 for jj in range(nk):
                     x = s[r, jj] if vm[jj] else LOWEST
