@@ -186,6 +186,14 @@ class Matrix:
         this fallback is `matmul_each`."""
         return self.matmul_each(x)
 
+    def prepare_alike(self, x: np.ndarray) -> np.ndarray | Prepared:
+        """`prepare` for `matmul_alike` (`matmul_alike_all`); formats without a conversion return ``x``."""
+        return x
+
+    def matmul_alike_prepared(self, p: np.ndarray | Prepared) -> np.ndarray:
+        """`matmul_alike` of an input from `prepare_alike` (of this matrix or a sibling)."""
+        return self.matmul_alike(p.x if isinstance(p, Prepared) else p)
+
     def dense(self) -> np.ndarray:
         """The whole matrix in float32 (tests and conversion only)."""
         return self.rows(np.arange(self.shape[0]))
@@ -336,6 +344,15 @@ def matmul_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
         return [mats[0].matmul(x)]
     p = mats[0].prepare(x)
     return [m.matmul_prepared(p) for m in mats]
+
+
+def matmul_alike_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
+    """``[m.matmul_alike(x) for m in mats]`` with the input converted once (the encoder's q/k/v,
+    gate/up)."""
+    if len(mats) == 1:
+        return [mats[0].matmul_alike(x)]
+    p = mats[0].prepare_alike(x)
+    return [m.matmul_alike_prepared(p) for m in mats]
 
 
 def matmul_each_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:

@@ -258,6 +258,25 @@ class Int8Matrix(_Quantized):
             return self.matmul_each(x)
         return self._matmul_w8a16(x)
 
+    def prepare_alike(self, x: np.ndarray) -> "np.ndarray | Prepared":
+        """`matmul_alike`'s input rounded once (on VNNI: the int16 byte planes) for every matrix it
+        multiplies."""
+        x = _check_x(x, self.shape[1])
+        if self.uses_blas or not self._planes():
+            return x
+        return Prepared(x, "int16-planes", _round_planes(x))
+
+    def matmul_alike_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
+        if (isinstance(p, Prepared) and p.kind == "int16-planes" and p.x.shape[1] == self.shape[1]
+                and not self.uses_blas and self._planes()):
+            return self._matmul_w8a16(p.x, planes=p.data)
+        return super().matmul_alike_prepared(p)
+
+    @staticmethod
+    def _planes() -> bool:
+        """Do int16 activations go as two byte planes through the 8-bit tiles (VNNI)?"""
+        return common.HAVE_VNNI and TILE_BLOCK == U8_BLOCK
+
     def _int16_rows(self) -> bool:
         return common.HAVE_AVX2 and self.shape[1] % 32 == 0
 
@@ -291,16 +310,18 @@ class Int8Matrix(_Quantized):
                 return self._matmul_w8a16(p.x, p.data)
         return super().matmul_prepared(p)
 
-    def _matmul_w8a16(self, x: np.ndarray, rounded: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    def _matmul_w8a16(self, x: np.ndarray, rounded: tuple[np.ndarray, np.ndarray] | None = None,
+                      planes: tuple | None = None) -> np.ndarray:
         """Prefill: x rounded to int16 per TILE_BLOCK values (``rounded``: already, as
         `_round_tiles` gives it), integer tiles, TOKEN_CHUNK tokens at a time (so that a chunk of
         x stays in L2 while every weight strip passes by). On VNNI (unless already rounded) the
         same integers go as two byte planes through the 8-bit tiles (`simd.u8_tile_dot`), which
-        read the weights as stored instead of widening them to 16 bits."""
+        read the weights as stored instead of widening them to 16 bits (``planes``: already, as
+        `_round_planes` gives them)."""
         t, k = x.shape
         out = np.empty((t, self.shape[0]), dtype=np.float32)
-        if rounded is None and common.HAVE_VNNI and TILE_BLOCK == U8_BLOCK:
-            xl, xh, xd8 = _round_planes(x)
+        if rounded is None and self._planes():
+            xl, xh, xd8 = planes if planes is not None else _round_planes(x)
             for t0 in range(0, t, TOKEN_CHUNK):
                 i8_mm_w8a8(self.q, self.scale, xl, xh, xd8, t0, min(t, t0 + TOKEN_CHUNK), out)
             return out

@@ -318,6 +318,25 @@ def test_matmul_all_shares_the_rounding_to_the_bit(t):
         assert np.array_equal(y, m.matmul(x))
 
 
+@pytest.mark.parametrize("t", [1, 18])
+def test_matmul_alike_all_rounds_once_to_the_bit(t, monkeypatch):
+    """The encoder's q/k/v-style products (`matmul_alike_all`): each result is the matrix's own
+    `matmul_alike` to the bit, whatever the mix of formats, with the input rounded once."""
+    from gemmalite.weights import quant as quant_mod
+    from gemmalite.weights.matrix import F32Matrix, matmul_alike_all
+
+    rng = np.random.default_rng(t)
+    ws = [rng.standard_normal((n, 512)).astype(np.float32) for n in (64, 32, 48)]
+    mats = [Int8Matrix.quantize(ws[0]), Int8Matrix.quantize(ws[1]), F32Matrix(ws[2])]
+    x = rng.standard_normal((t, 512)).astype(np.float32)
+    want = [m.matmul_alike(x) for m in mats]
+    calls = []
+    monkeypatch.setattr(quant_mod, "_round_planes", lambda v, f=quant_mod._round_planes: calls.append(1) or f(v))
+    for w, y in zip(want, matmul_alike_all(mats, x)):
+        assert np.array_equal(y, w)
+    assert len(calls) == (1 if Int8Matrix._planes() else 0)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int8-512", "int4-32", "int4-64", "int4s", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("long_rows", [True, False])
 def test_matmul_each_row_is_its_one_row_product_to_the_bit(fmt, long_rows, monkeypatch):

@@ -19,7 +19,7 @@ from ...errors import ContextError
 from ...kernels import common
 from ...kernels.ops import apply_rope, attention, gelu_tanh_mul, rms_norm, rope_tables
 from ...runtime.cache import SPARE_SLOTS, KVRing, KVState
-from ...weights.matrix import Matrix, matmul_all, matmul_each_all
+from ...weights.matrix import Matrix, matmul_alike_all, matmul_all, matmul_each_all
 from .compiled import CompiledLayers
 from .config import ModelConfig
 from .contract import PROJECTIONS
@@ -353,13 +353,15 @@ def _mm_parts(m: Matrix, x: np.ndarray, parts: list[slice]) -> np.ndarray:
 
 
 def _mm_all(mats: list[Matrix], x: np.ndarray, each: "bool | list[slice] | str") -> list[np.ndarray]:
-    """Products of one input (q/k/v, gate/up) as `_mm` gives them; a plain product shares the
-    input's conversion between the matrices (`matmul_all`), rows as alone share a parallel region
-    where the format allows (`matmul_each_all`, as the compiled step)."""
+    """Products of one input (q/k/v, gate/up) as `_mm` gives them; a plain product and ALIKE share
+    the input's conversion between the matrices (`matmul_all`, `matmul_alike_all`), rows as alone
+    share a parallel region where the format allows (`matmul_each_all`, as the compiled step)."""
     if each is False:
         return matmul_all(mats, x)
     if each is True:
         return matmul_each_all(mats, x)
+    if isinstance(each, str):
+        return matmul_alike_all(mats, x)
     return [_mm(m, x, each) for m in mats]
 
 
