@@ -30,10 +30,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import AudioError, ConfigError
-from ..kernels.numba_ops import banded_attention, clip_silu_clip, glu_causal_conv, norm_stage
+from ..kernels.numba_ops import (banded_attention, clip_silu_clip, conv3x3s2_norm_relu, glu_causal_conv,
+                                 norm_stage)
 from ..kernels.ops import rms_norm
 from ..models.gemma.build import QUANT_KINDS, matrix_factory
-from ..weights.clipped import CLIP_KEYS, Linear
+from ..weights.clipped import CLIP_KEYS, NO_BOUNDS, Linear
 from ..weights.matrix import Matrix
 from ..weights.towers import TowerLayout
 from .features import MEL_BINS, log_mel, windows
@@ -142,34 +143,15 @@ class AudioLayer:
                 self.ff2.up, self.ff2.down]
 
 
-def _conv_stride2(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Conv2d(3x3, stride 2, padding 1, no bias) over ``x [T, F, C_in]`` with ``w [C_out, C_in, 3, 3]``:
-    ``[ceil(T/2), ceil(F/2), C_out]``, as products of the strided input with the taps."""
-    t, f, c = x.shape
-    to, fo = (t - 1) // 2 + 1, (f - 1) // 2 + 1
-    xp = np.zeros((t + 2, f + 2, c), np.float32)
-    xp[1:t + 1, 1:f + 1] = x
-
-    def tap(i: int) -> np.ndarray:  # the inputs under tap (i // 3, i % 3) of every output
-        a, b = divmod(i, 3)
-        return xp[a:a + 2 * to:2, b:b + 2 * fo:2].reshape(to * fo, c)
-
-    if c == 1:  # the first layer: one product with the nine taps side by side
-        return (np.concatenate([tap(i) for i in range(9)], 1) @ w.reshape(w.shape[0], 9).T).reshape(to, fo, -1)
-    out = np.zeros((to * fo, w.shape[0]), np.float32)
-    for i in range(9):  # one tap's copy at a time: a 30 s clip's grid is 50 MB
-        out += tap(i) @ np.ascontiguousarray(w[:, :, i // 3, i % 3].T)
-    return out.reshape(to, fo, w.shape[0])
-
-
-def _layer_norm_relu(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """relu(nn.LayerNorm(x)) over the last axis, weight only (mean-centred, biased variance), in
-    place on ``x`` (a fresh convolution output)."""
-    x -= x.mean(-1, keepdims=True)
-    var = np.einsum("...c,...c->...", x, x)[..., None] / np.float32(x.shape[-1])
-    x *= np.float32(1.0) / np.sqrt(var + np.float32(eps))
-    x *= w
-    return np.maximum(x, 0, out=x)
+def _subsample(x: np.ndarray, w: np.ndarray, ln_w: np.ndarray, eps: float) -> np.ndarray:
+    """Conv2d(3x3, stride 2, padding 1, no bias) over ``x [T, F, C_in]`` with ``w [C_out, C_in, 3,
+    3]``, then relu(LayerNorm over the channels): ``[ceil(T/2), ceil(F/2), C_out]``
+    (`numba_ops.conv3x3s2_norm_relu`, reading ``x`` where it lies)."""
+    t, f, _ = x.shape
+    out = np.empty(((t - 1) // 2 + 1, (f - 1) // 2 + 1, w.shape[0]), np.float32)
+    conv3x3s2_norm_relu(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w.transpose(2, 3, 1, 0)),
+                        ln_w, float(eps), out)
+    return out
 
 
 def sinusoids(positions: int, hidden: int) -> np.ndarray:
@@ -237,8 +219,7 @@ class AudioTower:
             return np.zeros((0, cfg.output_proj_dims), np.float32)
         w0, n0, w1, n1 = self.conv
         eps = cfg.rms_norm_eps
-        h = _layer_norm_relu(_conv_stride2(feats[:, :, None], w0), n0, eps)
-        h = _layer_norm_relu(_conv_stride2(h, w1), n1, eps)
+        h = _subsample(_subsample(feats[:, :, None], w0, n0, eps), w1, n1, eps)
         x = self.input_proj.matmul(h.reshape(h.shape[0], -1))
         g = np.float32(min(cfg.gradient_clipping, float(np.finfo(np.float32).max)))
         for layer in self.layers:
@@ -288,7 +269,7 @@ class AudioTower:
 
     def _light_conv(self, layer: AudioLayer, x: np.ndarray, g: np.float32) -> np.ndarray:
         eps, start, end = self.cfg.rms_norm_eps, layer.conv_start, layer.conv_end
-        h = start.w.matmul(_norm(x, _NO_CLIP, layer.conv_norms[0], eps, start.in_bounds))
+        h = start.w.matmul(_norm(x, NO_BOUNDS, layer.conv_norms[0], eps, start.in_bounds))
         c = np.empty((h.shape[0], self.cfg.hidden_size), np.float32)
         glu_causal_conv(h, *start.out_bounds, layer.conv_weight, c)  # clip, GLU, causal depthwise taps
         y = end.w.matmul(_norm(c, (-g, g), layer.conv_norms[1], eps, end.in_bounds, silu=True, out=c))
@@ -298,7 +279,6 @@ class AudioTower:
         return y
 
 
-_NO_CLIP = (np.float32(-np.inf), np.float32(np.inf))
 _NO_WEIGHT = np.zeros(0, np.float32)
 _NO_RES = np.zeros((0, 0), np.float32)
 
@@ -308,7 +288,7 @@ def _then_clamp(bounds: tuple[np.float32, np.float32], g: np.float32) -> tuple[n
     return tuple(np.float32(min(max(b, -g), g)) for b in bounds)
 
 
-def _norm(x: np.ndarray, pre: tuple, w: np.ndarray | None, eps: float, post: tuple = _NO_CLIP, *,
+def _norm(x: np.ndarray, pre: tuple, w: np.ndarray | None, eps: float, post: tuple = NO_BOUNDS, *,
           silu: bool = False, scale: float = 1.0, res: np.ndarray | None = None,
           out: np.ndarray | None = None) -> np.ndarray:
     """``clip(silu?(rms_norm(clip(x, *pre), w)), *post) * scale + res`` in one pass over the rows

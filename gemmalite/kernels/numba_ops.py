@@ -666,3 +666,49 @@ def glu_causal_conv(h, lo, hi, taps, out):  # pragma: no cover - compiled
         _glu_row(h[t], lo, hi, g[t])
     for t in prange(t_all):
         _taps_row(g, taps, t, out[t])
+
+
+@njit(**EXACT)
+def _conv_row(x, w, ln_w, eps, to, out):  # pragma: no cover - compiled
+    t_all, f_all, c_in = x.shape
+    c_out = out.shape[1]
+    acc = np.empty(c_out, np.float64)
+    for fo in range(out.shape[0]):
+        acc[:] = 0
+        for a in range(3):
+            t = 2 * to + a - 1
+            if t < 0 or t >= t_all:
+                continue
+            for b in range(3):
+                f = 2 * fo + b - 1
+                if f < 0 or f >= f_all:
+                    continue
+                for ci in range(c_in):
+                    xv = np.float64(x[t, f, ci])
+                    wr = w[a, b, ci]
+                    for co in range(c_out):
+                        acc[co] += xv * wr[co]
+        mean = 0.0
+        for co in range(c_out):
+            mean += acc[co]
+        mean /= c_out
+        ss = 0.0
+        for co in range(c_out):
+            acc[co] -= mean
+            ss += acc[co] * acc[co]
+        inv = 1.0 / np.sqrt(ss / c_out + eps)
+        o = out[fo]
+        for co in range(c_out):
+            v = np.float32(acc[co] * inv * ln_w[co])
+            o[co] = v if v > 0 else np.float32(0.0)
+
+
+@njit(parallel=True, **EXACT)
+def conv3x3s2_norm_relu(x, w, ln_w, eps, out):  # pragma: no cover - compiled
+    """The audio tower's subsampling layer: Conv2d(3x3, stride 2, padding 1, no bias) over ``x [T,
+    F, C_in]`` with the taps ``w [3, 3, C_in, C_out]``, then a LayerNorm over the channels (weight
+    only: mean-centred, biased variance) and ReLU, into ``out [ceil(T/2), ceil(F/2), C_out]``, all
+    in float64 and rounded once (the layer is a few percent of the tower's multiply-adds); one
+    output time step per task, the taps' sums vectorised over the channels."""
+    for to in prange(out.shape[0]):
+        _conv_row(x, w, ln_w, eps, to, out[to])

@@ -8,7 +8,7 @@ from .matrix import Matrix
 
 #: the scalar buffers stored beside ``<name>.linear.weight``
 CLIP_KEYS = ("input_min", "input_max", "output_min", "output_max")
-_OPEN = (np.float32(-np.inf), np.float32(np.inf))  # no bound
+NO_BOUNDS = (np.float32(-np.inf), np.float32(np.inf))  # (lo, hi) of no clip
 
 
 class Linear:
@@ -21,11 +21,11 @@ class Linear:
     @property
     def in_bounds(self) -> tuple[np.float32, np.float32]:
         """(lo, hi) of the input clip (the whole float32 range without one), for fused stages."""
-        return _OPEN if self.clip is None else self.clip[:2]
+        return NO_BOUNDS if self.clip is None else self.clip[:2]
 
     @property
     def out_bounds(self) -> tuple[np.float32, np.float32]:
-        return _OPEN if self.clip is None else self.clip[2:]
+        return NO_BOUNDS if self.clip is None else self.clip[2:]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.clip is None:

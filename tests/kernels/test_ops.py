@@ -342,3 +342,33 @@ def test_glu_causal_conv_matches_float64():
     ref = sum(gp[j:j + T] * taps[j].astype(np.float64) for j in range(K))
     bound = 8 * np.finfo(np.float32).eps * sum(np.abs(gp[j:j + T] * taps[j]) for j in range(K))
     assert np.all(np.abs(out - ref) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("t, f, c_in, c_out", [(9, 16, 1, 8), (10, 7, 5, 6), (40, 128, 1, 128), (20, 64, 128, 32)])
+def test_subsampling_conv_norm_relu_within_the_references_float32_error(t, f, c_in, c_out):
+    """The audio tower's subsampling layer (3x3 conv, stride 2, padding 1; LayerNorm over the
+    channels; ReLU), odd and even sizes and the real channel counts, against float64: no further
+    off than torch's float32 Conv2d + LayerNorm + ReLU (the reference's own arithmetic), plus two
+    float32 ulps of the value."""
+    import torch
+
+    from gemmalite.kernels.numba_ops import conv3x3s2_norm_relu
+
+    rng = np.random.default_rng(t * f + c_in)
+    x = rng.standard_normal((t, f, c_in)).astype(np.float32)
+    w = rng.standard_normal((c_out, c_in, 3, 3)).astype(np.float32)
+    ln = rng.standard_normal(c_out).astype(np.float32)
+    to, fo = (t - 1) // 2 + 1, (f - 1) // 2 + 1
+    out = np.empty((to, fo, c_out), np.float32)
+    conv3x3s2_norm_relu(x, np.ascontiguousarray(w.transpose(2, 3, 1, 0)), ln, 1e-6, out)
+
+    def reference(dtype):
+        xt = torch.from_numpy(x).to(dtype).permute(2, 0, 1)[None]  # [1, C_in, T, F]
+        y = torch.nn.functional.conv2d(xt, torch.from_numpy(w).to(dtype), stride=2, padding=1)[0].permute(1, 2, 0)
+        y = torch.nn.functional.layer_norm(y, (c_out,), torch.from_numpy(ln).to(dtype), None, 1e-6)
+        return torch.relu(y).numpy()
+
+    ref = reference(torch.float64)
+    theirs = np.abs(reference(torch.float32) - ref).max()
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(out - ref) <= theirs + 2 * ulp)
