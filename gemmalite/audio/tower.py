@@ -149,7 +149,7 @@ def _subsample(x: np.ndarray, w: np.ndarray, ln_w: np.ndarray, eps: float) -> np
     (`numba_ops.conv3x3s2_norm_relu`, reading ``x`` where it lies)."""
     t, f, _ = x.shape
     out = np.empty(((t - 1) // 2 + 1, (f - 1) // 2 + 1, w.shape[0]), np.float32)
-    conv3x3s2_norm_relu(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w.transpose(2, 3, 1, 0)),
+    conv3x3s2_norm_relu(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w.transpose(2, 3, 0, 1)),
                         ln_w, float(eps), out)
     return out
 

@@ -683,11 +683,18 @@ def _conv_row(x, w, ln_w, eps, to, out):  # pragma: no cover - compiled
                 f = 2 * fo + b - 1
                 if f < 0 or f >= f_all:
                     continue
-                for ci in range(c_in):
-                    xv = np.float64(x[t, f, ci])
-                    wr = w[a, b, ci]
+                if c_in == 1:  # the first layer: one value under each tap
+                    xv = np.float64(x[t, f, 0])
                     for co in range(c_out):
-                        acc[co] += xv * wr[co]
+                        acc[co] += xv * w[a, b, co, 0]
+                    continue
+                xr = x[t, f]
+                for co in range(0, c_out - 3, 4):  # each tap's channel sum as a float32 dot product
+                    d = dot_tile((xr,), (w[a, b, co], w[a, b, co + 1], w[a, b, co + 2], w[a, b, co + 3]))
+                    for i in range(4):
+                        acc[co + i] += d[i]
+                for co in range(c_out - c_out % 4, c_out):
+                    acc[co] += dot_tile((xr,), (w[a, b, co],))[0]
         mean = 0.0
         for co in range(c_out):
             mean += acc[co]
@@ -706,9 +713,9 @@ def _conv_row(x, w, ln_w, eps, to, out):  # pragma: no cover - compiled
 @njit(parallel=True, **EXACT)
 def conv3x3s2_norm_relu(x, w, ln_w, eps, out):  # pragma: no cover - compiled
     """The audio tower's subsampling layer: Conv2d(3x3, stride 2, padding 1, no bias) over ``x [T,
-    F, C_in]`` with the taps ``w [3, 3, C_in, C_out]``, then a LayerNorm over the channels (weight
-    only: mean-centred, biased variance) and ReLU, into ``out [ceil(T/2), ceil(F/2), C_out]``, all
-    in float64 and rounded once (the layer is a few percent of the tower's multiply-adds); one
-    output time step per task, the taps' sums vectorised over the channels."""
+    F, C_in]`` with the taps ``w [3, 3, C_out, C_in]``, then a LayerNorm over the channels (weight
+    only: mean-centred, biased variance) and ReLU, into ``out [ceil(T/2), ceil(F/2), C_out]``: each
+    tap's sum over the input channels a float32 dot product (`dot_tile`), the taps' sums and the
+    norm in float64, rounded once; one output time step per task."""
     for to in prange(out.shape[0]):
         _conv_row(x, w, ln_w, eps, to, out[to])

@@ -344,7 +344,7 @@ def test_glu_causal_conv_matches_float64():
     assert np.all(np.abs(out - ref) <= bound + 1e-30)
 
 
-@pytest.mark.parametrize("t, f, c_in, c_out", [(9, 16, 1, 8), (10, 7, 5, 6), (40, 128, 1, 128), (20, 64, 128, 32)])
+@pytest.mark.parametrize("t, f, c_in, c_out", [(9, 16, 1, 8), (10, 7, 5, 6), (10, 7, 20, 7), (40, 128, 1, 128), (20, 64, 128, 32)])
 def test_subsampling_conv_norm_relu_within_the_references_float32_error(t, f, c_in, c_out):
     """The audio tower's subsampling layer (3x3 conv, stride 2, padding 1; LayerNorm over the
     channels; ReLU), odd and even sizes and the real channel counts, against float64: no further
@@ -360,7 +360,7 @@ def test_subsampling_conv_norm_relu_within_the_references_float32_error(t, f, c_
     ln = rng.standard_normal(c_out).astype(np.float32)
     to, fo = (t - 1) // 2 + 1, (f - 1) // 2 + 1
     out = np.empty((to, fo, c_out), np.float32)
-    conv3x3s2_norm_relu(x, np.ascontiguousarray(w.transpose(2, 3, 1, 0)), ln, 1e-6, out)
+    conv3x3s2_norm_relu(x, np.ascontiguousarray(w.transpose(2, 3, 0, 1)), ln, 1e-6, out)
 
     def reference(dtype):
         xt = torch.from_numpy(x).to(dtype).permute(2, 0, 1)[None]  # [1, C_in, T, F]
