@@ -575,11 +575,16 @@ def banded_attention(q, k, v, rel, cap, invalid, out):  # pragma: no cover - com
 
 
 @njit(inline="always", **EXACT)
-def _silu(y):  # pragma: no cover - compiled
-    """``y * sigmoid(y)``, the sigmoid from `exp_nonpositive` of ``-|y|`` (vectorizes; a few ulps)."""
+def _sigmoid(y):  # pragma: no cover - compiled
+    """``sigmoid(y)`` from `exp_nonpositive` of ``-|y|`` (vectorizes; a few ulps)."""
     e = exp_nonpositive(-abs(y))
     r = np.float32(1.0) / (np.float32(1.0) + e)
-    return y * (r if y >= 0 else e * r)
+    return r if y >= 0 else e * r
+
+
+@njit(inline="always", **EXACT)
+def _silu(y):  # pragma: no cover - compiled
+    return y * _sigmoid(y)
 
 
 # Each row goes to a function of its own (compiled on its own, so its loops vectorise; inside a
@@ -637,10 +642,7 @@ def _glu_row(h, lo, hi, g):  # pragma: no cover - compiled
     H = g.shape[0]
     for c in range(H):
         a = min(max(h[c], lo), hi)
-        b = min(max(h[H + c], lo), hi)
-        e = exp_nonpositive(-abs(b))
-        r = np.float32(1.0) / (np.float32(1.0) + e)
-        g[c] = a * (r if b >= 0 else e * r)
+        g[c] = a * _sigmoid(min(max(h[H + c], lo), hi))
 
 
 @njit(**EXACT)
