@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from ..errors import AudioError
+from ..kernels.numba_ops import sparse_bands
 
 SAMPLE_RATE = 16000
 FRAME, HOP, FFT, MEL_BINS = 320, 160, 512, 128
@@ -48,6 +49,8 @@ def mel_filters(num_bins: int = FFT // 2 + 1, num_mel: int = MEL_BINS, f_min: fl
 
 
 _FILTERS = mel_filters()
+_BANDS = tuple(np.array(v, np.int64) for v in zip(*(  # each bin's bands: lo .. hi - 1
+    (nz[0], nz[-1] + 1) if nz.size else (0, 0) for nz in map(np.flatnonzero, _FILTERS))))
 _WINDOW = np.hanning(FRAME + 1)[:-1].astype(np.float32)  # periodic Hann
 
 
@@ -76,7 +79,9 @@ def log_mel(samples: np.ndarray) -> tuple[np.ndarray, int]:
         return np.zeros((0, MEL_BINS), np.float32), 0
     frames = np.lib.stride_tricks.as_strided(wave, (count, FRAME), (wave.strides[0] * HOP, wave.strides[0]))
     spec = np.abs(np.fft.rfft(frames * _WINDOW, n=FFT, axis=-1))
-    feats = np.log(spec @ _FILTERS + np.float64(MEL_FLOOR)).astype(np.float32)
+    mel = np.empty((count, MEL_BINS), np.float64)
+    sparse_bands(spec, _BANDS[0], _BANDS[1], _FILTERS, mel)  # spec @ _FILTERS, without BLAS
+    feats = np.log(mel + np.float64(MEL_FLOOR)).astype(np.float32)
     valid = min(valid_frames(n), count)
     feats[valid:] = 0.0
     return feats, valid

@@ -257,11 +257,8 @@ class AudioTower:
         q = layer.q(h).reshape(t, nh, d) * layer.q_scale
         k = layer.k(h).reshape(t, nh, d) * k_scale
         v = layer.v(h).reshape(t, nh, d)
-        # window slot w holds key t - (band - 1) + w, at distance band - 1 - w
-        rel = np.matmul(q.transpose(1, 0, 2), layer.relative.transpose(1, 2, 0))  # [nh, t, distances]
-        rel = np.ascontiguousarray(rel[:, :, band - 1::-1])  # slot order
         out = np.empty((t, nh, d), np.float32)
-        banded_attention(np.ascontiguousarray(q), np.ascontiguousarray(k), v, rel,
+        banded_attention(np.ascontiguousarray(q), np.ascontiguousarray(k), v, layer.relative, band,
                          np.float32(cfg.attention_logit_cap), np.float32(cfg.attention_invalid_logits_value), out)
         out = out.reshape(t, nh * d)  # post's input, clipped (its product and output clip: the caller's)
         lo, hi = layer.post.in_bounds

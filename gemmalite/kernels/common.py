@@ -65,6 +65,23 @@ TOKEN_TILE = 4
 SHORT_ROWS = 64
 
 
+# Arrays the SIMD tiles stream (weights, rounded activations) start on a cache line: numpy gives
+# 16 bytes, a safetensors tensor 8, and then half the tiles' 32-byte loads straddle two lines
+# (measured: the int8 prefill tiles 4-14 % faster on aligned operands). The checkpoint writer
+# (`formats.safetensors.write_safetensors`) lays tensors out on the same boundary.
+ALIGN = 64
+
+
+def aligned_empty(shape: int | tuple[int, ...], dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)`` whose data starts on an ALIGN-byte boundary."""
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    a = -raw.ctypes.data % ALIGN
+    return raw[a:a + n].view(dtype).reshape(shape)
+
+
 def half_to_f32_ir(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
     """float16 bits (i16) -> float32, in LLVM IR (vcvtph2ps with F16C): the one float16 decoder."""
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())

@@ -531,16 +531,16 @@ def attention_blocked(q, k, v, q_pos, k_pos, blk_min, blk_max, window, scale, ou
 
 
 @njit(parallel=True, **FAST)
-def banded_attention(q, k, v, rel, cap, invalid, out):  # pragma: no cover - compiled
-    """Local attention over a band: query ``t`` sees keys ``t - band + 1 .. t`` (``band`` =
-    ``rel.shape[2]``; keys before 0 are masked with the logit ``invalid``), as the Gemma 4 audio
-    tower's chunked attention amounts to. Logit of window slot ``w`` (key ``t - band + 1 + w``):
-    ``cap * tanh((q . k + rel[h, t, w]) / cap)``; softmax over the band; ``out [T, H, D]`` the
-    weighted sum of the values, slot by slot. ``q``, ``k``, ``v`` ``[T, H, D]`` (scaled as the tower
-    scales them), ``rel [H, T, band]`` (the relative-position term, slot order). One task per
-    query row; dots by `dot_tile` (fixed order)."""
+def banded_attention(q, k, v, relk, band, cap, invalid, out):  # pragma: no cover - compiled
+    """Local attention over a band: query ``t`` sees keys ``t - band + 1 .. t`` (keys before 0
+    are masked with the logit ``invalid``), as the Gemma 4 audio tower's chunked attention
+    amounts to. Logit of window slot ``w`` (key ``t - band + 1 + w``, at distance ``band - 1 -
+    w``): ``cap * tanh((q . k + q . relk[distance, h]) / cap)``; softmax over the band; ``out [T,
+    H, D]`` the weighted sum of the values, slot by slot. ``q``, ``k``, ``v`` ``[T, H, D]`` (scaled
+    as the tower scales them), ``relk [distances >= band, H, D]`` (the relative-position keys).
+    One task per query row; both dots of a slot by one `dot_tile` (fixed order): no BLAS call,
+    whose spinning pool would slow the numba kernels after it."""
     T, H, D = q.shape
-    band = rel.shape[2]
     for t in prange(T):
         s = np.empty(band, np.float32)
         for h in range(H):
@@ -550,7 +550,8 @@ def banded_attention(q, k, v, rel, cap, invalid, out):  # pragma: no cover - com
                 if kt < 0:
                     s[w] = invalid
                 else:
-                    x = (dot_tile((q[t, h],), (k[kt, h],))[0] + rel[h, t, w]) / cap
+                    qk, qr = dot_tile((q[t, h],), (k[kt, h], relk[band - 1 - w, h]))
+                    x = (qk + qr) / cap
                     s[w] = np.tanh(x) * cap
                 m = max(m, s[w])
             tot = np.float32(0.0)
@@ -572,6 +573,22 @@ def banded_attention(q, k, v, rel, cap, invalid, out):  # pragma: no cover - com
 # The audio tower's elementwise stages between its products, each fused into one parallel pass over
 # the rows: clip bounds (ClippableLinear's, the tower's gradient clamp), RMSNorm, SiLU, the scaled
 # residual. Every float operation is the one the stage-by-stage numpy code performs, in its order.
+
+
+@njit(**EXACT)
+def sparse_bands(spec, lo, hi, filters, out):  # pragma: no cover - compiled
+    """``out = spec @ filters`` (float64) for a filter bank whose bin ``j`` weighs only the bands
+    ``lo[j] .. hi[j] - 1`` (a mel bank: at most two): each band's sum in bin order, its zero terms
+    left out (exact: the terms are finite and non-negative). In numba, not BLAS: OpenBLAS's pool,
+    once woken, spins beside the numba kernels after it (2^28 cycles by default; gemmalite's
+    shorter OPENBLAS_THREAD_TIMEOUT holds only where numpy was not imported first)."""
+    for f in range(spec.shape[0]):
+        o = out[f]
+        o[:] = 0.0
+        for j in range(spec.shape[1]):
+            s = spec[f, j]
+            for b in range(lo[j], hi[j]):
+                o[b] += s * filters[j, b]
 
 
 @njit(inline="always", **EXACT)

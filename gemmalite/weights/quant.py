@@ -106,6 +106,17 @@ LONG_ROW_SIMD = 8192  # same for the int16-activation kernels (measured: only th
 INT4_SHORT_ROWS = 32
 
 
+def _token_chunks(t: int) -> list[tuple[int, int]]:
+    """The int8 tiles' passes over the weights: at most TOKEN_CHUNK tokens each, as even as the
+    3-token tiles allow (272 tokens: 93, 93, 86, not 128, 128, 16, whose last pass reads the whole
+    matrix for 16 tokens). Each (row, token) pair is computed the same way in any chunk."""
+    if t <= 0:
+        return []
+    per = -(-t // -(-t // TOKEN_CHUNK))      # the passes' even share
+    per = min(TOKEN_CHUNK, -(-per // 3) * 3)  # in whole 3-token tiles
+    return [(t0, min(t, t0 + per)) for t0 in range(0, t, per)]
+
+
 def _as_f32_block(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w, dtype=np.float32)
 
@@ -117,7 +128,7 @@ def _ids(ids) -> np.ndarray:
 def _round_tiles(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x as the prefill tiles take it: int16 values and a scale per TILE_BLOCK values."""
     t, k = x.shape
-    xq = np.empty((t, k), dtype=np.int16)
+    xq = common.aligned_empty((t, k), np.int16)
     xd = np.empty((t, k // TILE_BLOCK), dtype=np.float32)
     round_int16_rows(x, TILE_BLOCK, xq, xd)
     return xq, xd
@@ -127,7 +138,7 @@ def _round_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x as the VNNI prefill tiles take it: int8 values + 128 and a scale per U8_BLOCK values
     (``xd`` token-minor, ``[k // U8_BLOCK, T]``)."""
     t, k = x.shape
-    xu = np.empty((t, k), dtype=np.uint8)
+    xu = common.aligned_empty((t, k), np.uint8)
     xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
     round_u8_rows(x, xu, xd)
     return xu, xd
@@ -137,8 +148,8 @@ def _round_planes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x as the VNNI tiles take int16 activations: the same integers as `_round_tiles` (a scale
     per TILE_BLOCK = U8_BLOCK values) as a low and a high byte plane, ``xd [k // U8_BLOCK, T]``."""
     t, k = x.shape
-    xl = np.empty((t, k), dtype=np.uint8)
-    xh = np.empty((t, k), dtype=np.uint8)
+    xl = common.aligned_empty((t, k), np.uint8)
+    xh = common.aligned_empty((t, k), np.uint8)
     xd = np.empty((k // U8_BLOCK, t), dtype=np.float32)
     round_i16_planes(x, xl, xh, xd)
     return xl, xh, xd
@@ -206,7 +217,7 @@ class Int8Matrix(_Quantized):
         if w.ndim != 2:
             raise ValueError("w must be 2-D")
         n, k = w.shape
-        q = np.empty((n, k), dtype=np.int8)
+        q = common.aligned_empty((n, k), np.int8)
         scale = np.empty(n, dtype=np.float32)
         for r0 in range(0, n, QUANT_BLOCK):
             r1 = min(n, r0 + QUANT_BLOCK)
@@ -322,12 +333,11 @@ class Int8Matrix(_Quantized):
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         if rounded is None and self._planes():
             xl, xh, xd8 = planes if planes is not None else _round_planes(x)
-            for t0 in range(0, t, TOKEN_CHUNK):
-                i8_mm_w8a8(self.q, self.scale, xl, xh, xd8, t0, min(t, t0 + TOKEN_CHUNK), out)
+            for t0, t1 in _token_chunks(t):
+                i8_mm_w8a8(self.q, self.scale, xl, xh, xd8, t0, t1, out)
             return out
         xq, xd = rounded if rounded is not None else _round_tiles(x)
-        for t0 in range(0, t, TOKEN_CHUNK):
-            t1 = min(t, t0 + TOKEN_CHUNK)
+        for t0, t1 in _token_chunks(t):
             i8_mm_w8a16(self.q, self.scale, xq[t0:t1], xd[t0:t1], out[t0:t1])
         return out
 
@@ -338,8 +348,8 @@ class Int8Matrix(_Quantized):
         t, k = x.shape
         xu, xd = rounded if rounded is not None else _round_u8(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
-        for t0 in range(0, t, TOKEN_CHUNK):
-            i8_mm_w8a8(self.q, self.scale, xu, None, xd, t0, min(t, t0 + TOKEN_CHUNK), out)
+        for t0, t1 in _token_chunks(t):
+            i8_mm_w8a8(self.q, self.scale, xu, None, xd, t0, t1, out)
         return out
 
     def __repr__(self):

@@ -144,6 +144,43 @@ def test_int8_prefill_kernel(path, monkeypatch):
     _check_matmul(Int8Matrix.quantize(_w(203, 2 * TILE_BLOCK, seed=6)), ts=(5, 17, 40))
 
 
+def test_token_chunks():
+    """int8 prefill passes: every token once, in order, as many passes as TOKEN_CHUNK-token ones
+    would take, none longer, all but the last in whole 3-token tiles."""
+    for t in range(0, 1100):
+        chunks = quant._token_chunks(t)
+        assert [a for a, _ in chunks] == [0, *(b for _, b in chunks)][:len(chunks)]
+        assert (chunks[-1][1] if chunks else 0) == t
+        assert len(chunks) == -(-t // quant.TOKEN_CHUNK)
+        assert all(0 < b - a <= quant.TOKEN_CHUNK for a, b in chunks)
+        assert all((b - a) % 3 == 0 for a, b in chunks[:-1]) or chunks[0][1] - chunks[0][0] == quant.TOKEN_CHUNK
+    assert quant._token_chunks(272) == [(0, 93), (93, 186), (186, 272)]
+
+
+@pytest.mark.parametrize("path", ["vnni", "planes", "int16"])
+def test_int8_prefill_same_bits_in_any_chunking(path, monkeypatch):
+    """A token's products do not depend on the pass it falls in (3-token tiles, single-token
+    tails), and the tiles' operands (weights, rounded activations) start on cache lines."""
+    if not common.HAVE_AVX2 or (path != "int16" and not common.HAVE_VNNI):
+        pytest.skip("no AVX2 / VNNI on this CPU")
+    monkeypatch.setattr(common, "HAVE_VNNI", path != "int16")
+    m = Int8Matrix.quantize(_w(37, 2 * TILE_BLOCK, seed=8))
+    assert m.q.ctypes.data % common.ALIGN == 0
+    x = np.random.default_rng(9).standard_normal((272, m.shape[1])).astype(np.float32)
+    run = m._matmul_w8a16 if path == "planes" else m.matmul
+    if path == "planes":
+        monkeypatch.setattr(m, "_planes", lambda: True)
+        assert all(a.ctypes.data % common.ALIGN == 0 for a in quant._round_planes(x)[:2])
+    elif path == "vnni":
+        assert quant._round_u8(x)[0].ctypes.data % common.ALIGN == 0
+    else:
+        assert quant._round_tiles(x)[0].ctypes.data % common.ALIGN == 0
+    y = run(x)
+    for chunk in (16, 100, 272):
+        monkeypatch.setattr(quant, "TOKEN_CHUNK", chunk)
+        np.testing.assert_array_equal(run(x), y)
+
+
 def test_int8_tensors_roundtrip_no_copy():
     m = Int8Matrix.quantize(_w(40, 64))
     t = m.tensors()
