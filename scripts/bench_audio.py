@@ -66,17 +66,17 @@ def profile(emb, x):
             return r
         return run
     saved = {k: getattr(tw, k) for k in ("_feed_forward", "_attention", "_light_conv")}
-    conv = T._conv_stride2
+    conv = T._subsample
     for k, fn in saved.items():
         setattr(tw, k, timed(k.strip("_"), fn))
-    T._conv_stride2 = timed("subsampling", conv)
+    T._subsample = timed("subsampling", conv)
     try:
         t = time.perf_counter(); feats, valid = log_mel(x); features = time.perf_counter() - t
         t = time.perf_counter(); soft = tw.project(tw.forward(feats[:valid])); tower = time.perf_counter() - t
     finally:
         for k in saved:
             delattr(tw, k)
-        T._conv_stride2 = conv
+        T._subsample = conv
     prepared = emb.prepare([{"audio": x}])  # the soft tokens are cached now: this is placement only
     t = time.perf_counter(); emb.embed_prepared(prepared); text = time.perf_counter() - t
     out = {"features": features, "audio_tower": tower, "text_encoder": text, "soft_tokens": soft.shape[0]}
