@@ -48,9 +48,15 @@ def mel_filters(num_bins: int = FFT // 2 + 1, num_mel: int = MEL_BINS, f_min: fl
     return np.maximum(np.zeros(1), np.minimum(down, up))
 
 
+def band_ranges(filters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) int64 ``[num_bins]``: the bands ``lo .. hi - 1`` each bin of ``filters`` weighs
+    (nothing outside them), as `numba_ops.sparse_bands` takes them."""
+    spans = [(nz[0], nz[-1] + 1) if nz.size else (0, 0) for nz in map(np.flatnonzero, filters)]
+    return np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64)
+
+
 _FILTERS = mel_filters()
-_BANDS = tuple(np.array(v, np.int64) for v in zip(*(  # each bin's bands: lo .. hi - 1
-    (nz[0], nz[-1] + 1) if nz.size else (0, 0) for nz in map(np.flatnonzero, _FILTERS))))
+_BANDS = band_ranges(_FILTERS)
 _WINDOW = np.hanning(FRAME + 1)[:-1].astype(np.float32)  # periodic Hann
 
 
