@@ -68,7 +68,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import common
-from ..kernels.int4s import activation_pairs, i4s_fit, i4s_mm_w4a8, i4s_pack, token_groups
+from ..kernels.int4s import (LANE_GROUP, activation_pairs, i4s_fit, i4s_mm_lanes, i4s_mm_w4a8, i4s_pack, round_i8_lanes,
+                              token_groups)
 from ..kernels.quant import (
     group_sums,
     i4_dequant_ids,
@@ -163,6 +164,17 @@ def _round_w4a8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x = np.concatenate([x, np.zeros((-t % 4, k), np.float32)])
     xq, xc, xd = activation_pairs(x)
     return (xq, *token_groups(xc, xd))
+
+
+def _round_w4a8_lanes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x as the block-lane int4 tiles take it (`int4s.round_i8_lanes`: the same integers as
+    `_round_w4a8`, each value where its block's int32 lane meets it)."""
+    t, k = x.shape
+    xs = common.aligned_empty((t, k), np.int8)
+    xc = np.empty((t, k // LANE_GROUP, 8), np.int32)
+    xd = np.empty((t, k // LANE_GROUP, 8), np.float32)
+    round_i8_lanes(x, xs, xc, xd)
+    return xs, xc, xd
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -473,6 +485,12 @@ class Int4Matrix(_Quantized):
         return self.symmetric and common.HAVE_AVX2 and self.shape[1] % 64 == 0
 
     @property
+    def _lanes(self) -> bool:
+        """Do the tiles take the block-lane layout (`int4s.i4s_mm_lanes`: VNNI, rows a multiple of
+        LANE_GROUP wide), one conversion per 256 products instead of per 64?"""
+        return self._tiles and common.HAVE_VNNI and self.shape[1] % LANE_GROUP == 0
+
+    @property
     def independent_rows(self) -> bool:
         return self._tiles
 
@@ -506,17 +524,28 @@ class Int4Matrix(_Quantized):
         x = _check_x(x, self.shape[1])
         if x.shape[0] <= common.FEW_ROWS or not self._tiles:
             return x
+        if self._lanes:
+            return Prepared(x, "w4a8-lanes", _round_w4a8_lanes(x))
         return Prepared(x, "w4a8-tiles", _round_w4a8(x))
 
     def matmul_prepared(self, p: "np.ndarray | Prepared") -> np.ndarray:
-        if isinstance(p, Prepared) and p.kind == "w4a8-tiles" and p.x.shape[1] == self.shape[1] and self._tiles:
+        if isinstance(p, Prepared) and p.x.shape[1] == self.shape[1] and (
+                (p.kind == "w4a8-tiles" and self._tiles) or (p.kind == "w4a8-lanes" and self._lanes)):
             return self._matmul_w4a8(p.x, p.data)
         return super().matmul_prepared(p)
 
     def _matmul_w4a8(self, x: np.ndarray, rounded: tuple | None = None) -> np.ndarray:
-        """Prefill: x in int8 per 32 values as in decode (``rounded``: already), integer tiles of 4
-        weight rows x 4 tokens (`kernels.int4s.int4s_tile_dot`), TOKEN_CHUNK tokens at a time."""
+        """Prefill: x in int8 per 32 values as in decode (``rounded``: already), integer tiles
+        TOKEN_CHUNK tokens at a time: on VNNI with rows a multiple of LANE_GROUP wide 4 weight rows x
+        3 tokens in block-lane order (`kernels.int4s.i4s_mm_lanes`), else 4 x 4 with folded block
+        sums (`kernels.int4s.int4s_tile_dot`)."""
         t = x.shape[0]
+        if self._lanes:
+            xs, xc, xd = rounded if rounded is not None else _round_w4a8_lanes(x)
+            out = np.empty((t, self.shape[0]), dtype=np.float32)
+            for t0, t1 in _token_chunks(t):
+                i4s_mm_lanes(self.packed.view(np.uint32), self._s16, xs, xc, xd, t0, t1, out)
+            return out
         xq, xc4, xd4 = rounded if rounded is not None else _round_w4a8(x)
         out = np.empty((xq.shape[0], self.shape[0]), dtype=np.float32)
         for t0 in range(0, xq.shape[0], TOKEN_CHUNK):

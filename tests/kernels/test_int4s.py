@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from gemmalite.kernels import common
-from gemmalite.kernels.int4s import activation_pairs, i4s_fit, i4s_mm_w4a8, i4s_mvn_w4a8, i4s_pack, token_groups
+from gemmalite.kernels.int4s import (LANE_GROUP, activation_pairs, i4s_fit, i4s_mm_lanes, i4s_mm_w4a8, i4s_mvn_w4a8, i4s_pack,
+                                    round_i8_lanes, token_groups)
 from gemmalite.weights.quant import Int4Matrix
 
 pytestmark = pytest.mark.skipif(not common.HAVE_AVX2, reason="no AVX2 on this CPU")
@@ -204,3 +205,64 @@ def test_int4_prefill_is_each_row_alone_and_the_prepared_input_the_same():
     step = np.repeat(np.abs(x.reshape(23, 10, 32)).max(2).astype(np.float64) / 127, 32, 1)
     err = np.abs(y - x.astype(np.float64) @ d.T)
     assert np.all(err <= step / 2 @ np.abs(d).T * 1.0001 + 1e-5 * (np.abs(x) @ np.abs(d).T))
+
+
+def _lanes(packed, d16, x, lo=0, hi=None):
+    t, k = x.shape
+    xs, xc, xd = np.empty((t, k), np.int8), np.empty((t, k // LANE_GROUP, 8), np.int32), np.empty((t, k // LANE_GROUP, 8), np.float32)
+    round_i8_lanes(x, xs, xc, xd)
+    out = np.full((t, packed.shape[0]), np.nan, np.float32)
+    i4s_mm_lanes(packed.view(np.uint32), d16.view(np.uint16), xs, xc, xd, lo, t if hi is None else hi, out)
+    return out, xs, xc, xd
+
+
+vnni_only = pytest.mark.skipif(not common.HAVE_VNNI, reason="no VNNI on this CPU (or GEMMALITE_VNNI=0)")
+
+
+@vnni_only
+@pytest.mark.parametrize("k", [256, 1536])
+def test_w4a8_block_lane_tiles_against_float64(k):
+    """The block-lane prefill tiles (4 weight rows x 3 tokens; 37 rows and 11 tokens: tails of
+    both): the activations rounded to the integers `round_i8_pairs` gives, each block's offset and
+    step in its lane; the products the exact integer block sums times the two scales within the
+    float32 rounding of their application (a lane's chain: the scales' product and k / 256 FMAs,
+    then three adds folding the lanes: at most (k / 256 + 5) * 2^-24 of the sum of |terms|); a
+    token's result independent of the tokens beside it, a token range writing only its rows."""
+    n, t = 37, 11
+    _, packed, d16 = _quantized(n, k, seed=7)
+    x = _activations(t, k, seed=8)
+    out, xs, xc, xd = _lanes(packed, d16, x)
+    q, step = _int8_rows(x)
+    xq, xcp, xdp = activation_pairs(x)
+    np.testing.assert_array_equal(_unpair(xq, k), q)  # the same integers as the decode rounding
+    pos = np.array([32 * ((v & 31) >> 2) + 4 * (v >> 5) + (v & 3) for v in range(LANE_GROUP)])
+    lanes = xs.reshape(t, k // LANE_GROUP, LANE_GROUP)[:, :, pos].reshape(t, k // 32, 32)
+    np.testing.assert_array_equal(lanes, q)
+    np.testing.assert_array_equal(xc.reshape(t, -1), -8 * q.sum(2))
+    np.testing.assert_array_equal(xd.reshape(t, -1), step.astype(np.float32))
+    wv = _values(packed).reshape(n, k // 32, 32)
+    terms = np.einsum("tgi,ngi->tng", q, wv) * step[:, None, :] * d16.astype(np.float64)[None]
+    ref, mags = terms.sum(2), np.abs(terms).sum(2)
+    bound = (k // LANE_GROUP + 5) * 2.0**-24 * mags + 1e-30
+    assert np.all(np.abs(out - ref) <= bound), float((np.abs(out - ref) / bound).max())
+    assert np.all(out[1] == 0)
+    perm = np.random.default_rng(9).permutation(t)
+    np.testing.assert_array_equal(_lanes(packed, d16, x[perm])[0], out[perm])
+    part = _lanes(packed, d16, x, 4, 9)[0]
+    assert np.isnan(part[:4]).all() and np.isnan(part[9:]).all()
+    np.testing.assert_array_equal(part[4:9], out[4:9])
+
+
+@vnni_only
+def test_int4_prefill_takes_the_block_lanes_where_the_width_allows():
+    """Int4Matrix prefill of rows a multiple of 256 wide: the block-lane tiles' output as they
+    compute it, each row the same among other rows, the prepared input the same product."""
+    w = (0.02 * np.random.default_rng(10).standard_t(4, size=(70, 512))).astype(np.float32)
+    m = Int4Matrix.quantize(w, symmetric=True)
+    x = _activations(29, 512, seed=11)
+    y = m.matmul(x)
+    np.testing.assert_array_equal(y, _lanes(m.packed, m.scales, x)[0])
+    np.testing.assert_array_equal(m.matmul(x[7:20]), y[7:20])
+    p = m.prepare(x)
+    assert p.kind == "w4a8-lanes"
+    np.testing.assert_array_equal(m.matmul_prepared(p), y)
