@@ -142,21 +142,26 @@ def write_safetensors(folder: Path, specs: dict[str, tuple[tuple[int, ...], np.d
         folder / f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, disable=not progress, desc="writing")
     for path, names in zip(files, shards):
-        # Tensors whose size is a multiple of ALIGN first, so each starts on an ALIGN boundary of
-        # the data, and the header padded (with spaces, as the format allows) so that the data
-        # starts on one too: memory-mapped, their rows are where the SIMD tiles want them.
-        names = sorted(names, key=lambda n: sizes[n] % ALIGN != 0)
+        # The tensors whose size is a multiple of ALIGN first in the file, so each starts on an
+        # ALIGN boundary of the data, and the header padded (with spaces, as the format allows) so
+        # that the data starts on one too: memory-mapped, their rows are where the SIMD tiles want
+        # them. ``produce`` is still called in the given order (a generator of random weights
+        # draws them in that order), each tensor written at its place.
+        offsets, off = {}, 0
+        for n in sorted(names, key=lambda n: sizes[n] % ALIGN != 0):
+            offsets[n], off = off, off + sizes[n]
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
         for n in names:
             shape, dtype = specs[n]
-            header[n] = {"dtype": _DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [off, off + sizes[n]]}
-            off += sizes[n]
+            header[n] = {"dtype": _DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape),
+                         "data_offsets": [offsets[n], offsets[n] + sizes[n]]}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(8 + len(blob)) % ALIGN)
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
+            start = f.tell()
             for n in names:
+                f.seek(start + offsets[n])
                 written = 0
                 for chunk in produce(n):
                     f.write(chunk)

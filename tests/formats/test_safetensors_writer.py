@@ -53,3 +53,23 @@ def test_bfloat16_tensors_keep_their_bits(tmp_path):
     got = read_safetensors(tmp_path / "model.safetensors")["w"]
     assert got.dtype == w.dtype and got.ctypes.data % ALIGN == 0
     np.testing.assert_array_equal(got.view(np.uint16), w.view(np.uint16))
+
+
+def test_tensors_are_produced_in_the_given_order(tmp_path):
+    """The file's layout puts aligned sizes first, but ``produce`` is called in the order given (a
+    generator of random weights draws them in that order: the same seed, the same weights)."""
+    from gemmalite.formats.safetensors import write_safetensors
+
+    arrays = _arrays(3)
+    calls = []
+
+    def produce(name):
+        calls.append(name)
+        data = arrays[name].tobytes()
+        return [data[:5], data[5:]]  # in pieces
+
+    write_safetensors(tmp_path, {n: (a.shape, a.dtype) for n, a in arrays.items()}, produce)
+    assert calls == list(arrays)
+    got = load_file(str(tmp_path / "model.safetensors"))
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(got[name], a)
