@@ -23,6 +23,7 @@ from numba.extending import intrinsic
 
 from . import common
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, prefetch
+from .fdot import _loop
 from .simd import (
     _EXACT,
     _F32,
@@ -588,25 +589,22 @@ def _unpack_codegen(nrows: int):
         four = ir.Constant(v8, [4] * 8)
         src = pa.rows(builder, _span(builder, r0, nrows))
         dst = [builder.bitcast(d, _I32.as_pointer()) for d in wa.rows(builder, [_c64(i) for i in range(nrows)])]
-        entry, head, body, done = _open_loop(builder, "int4s.unpack")
-        g = builder.phi(_I64)
-        g.add_incoming(_c64(0), entry)
-        builder.cbranch(builder.icmp_signed("<", g, ngrp), body, done)
-        builder.position_at_end(body)
-        base, out = builder.mul(g, _c64(32)), builder.mul(g, _c64(64))  # words: 128 bytes in, 256 out
-        for i in range(nrows):
-            ld = [_load_vec(builder, src[i], builder.add(base, _c64(8 * m)), v8) for m in range(4)]
-            for w in range(4):
-                pick = ir.Constant(_vec(_I32, 8), [w, 4 + w, 8 + w, 12 + w, 0, 0, 0, 0])
-                a = builder.shuffle_vector(ld[0], ld[1], pick)
-                b = builder.shuffle_vector(ld[2], ld[3], pick)
-                v = builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), [0, 1, 2, 3, 8, 9, 10, 11]))
-                for c, part in ((w, builder.and_(v, mask)), (w + 4, builder.and_(builder.lshr(v, four), mask))):
-                    ptr = builder.gep(dst[i], [builder.add(out, _c64(8 * c))], inbounds=True)
-                    builder.store(part, builder.bitcast(ptr, v8.as_pointer()), align=4)
-        g.add_incoming(builder.add(g, _c64(1)), body)
-        builder.branch(head)
-        builder.position_at_end(done)
+
+        def group(g, _):
+            base, out = builder.mul(g, _c64(32)), builder.mul(g, _c64(64))  # words: 128 bytes in, 256 out
+            for i in range(nrows):
+                ld = [_load_vec(builder, src[i], builder.add(base, _c64(8 * m)), v8) for m in range(4)]
+                for w in range(4):
+                    pick = ir.Constant(_vec(_I32, 8), [w, 4 + w, 8 + w, 12 + w, 0, 0, 0, 0])
+                    a = builder.shuffle_vector(ld[0], ld[1], pick)
+                    b = builder.shuffle_vector(ld[2], ld[3], pick)
+                    v = builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), [0, 1, 2, 3, 8, 9, 10, 11]))
+                    for c, part in ((w, builder.and_(v, mask)), (w + 4, builder.and_(builder.lshr(v, four), mask))):
+                        ptr = builder.gep(dst[i], [builder.add(out, _c64(8 * c))], inbounds=True)
+                        builder.store(part, builder.bitcast(ptr, v8.as_pointer()), align=4)
+            return []
+
+        _loop(builder, "int4s.unpack", _c64(0), ngrp, 1, [], group)
 
     return codegen
 
@@ -642,7 +640,6 @@ def _lane_tile_codegen(rt: int, tt: int):
     npair = rt * tt
 
     def codegen(builder, wa, wsa, xa, xca, xda, t0, oa, r0):
-        k = wa.shape[1]
         ngrp = wsa.shape[1]
         n = oa.shape[1]
         dot = _vpdpbusd(builder)
@@ -650,38 +647,29 @@ def _lane_tile_codegen(rt: int, tt: int):
         toks = _span(builder, t0, tt)
         wrow = wa.rows(builder, [_c64(i) for i in range(rt)])
         xrow = xa.rows(builder, toks)
-        entry, head, body, done = _open_loop(builder, "int4s.lanes")
-        g = builder.phi(_I64)
-        g.add_incoming(_c64(0), entry)
-        facc = []
-        for _ in range(npair):
-            facc.append(builder.phi(f8))
-            facc[-1].add_incoming(ir.Constant(f8, [0.0] * 8), entry)
-        builder.cbranch(builder.icmp_signed("<", g, ngrp), body, done)
 
-        builder.position_at_end(body)
-        base = builder.mul(g, _c64(LANE_GROUP))
-        lane = lambda row: builder.mul(builder.add(builder.mul(row, ngrp), g), _c64(8))  # noqa: E731  (a [., ngrp, 8] array's row)
-        start = [_load_vec(builder, xca.data, lane(tok), v8) for tok in toks]
-        acc = {(i, j): start[j] for i in range(rt) for j in range(tt)}
-        for c in range(LANE_GROUP // 32):
-            off = builder.add(base, _c64(32 * c))
-            ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
-            xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
+        def group(g, facc):  # pairs p = j * rt + i
+            base = builder.mul(g, _c64(LANE_GROUP))
+            lane = lambda row: builder.mul(builder.add(builder.mul(row, ngrp), g), _c64(8))  # noqa: E731  (a [., ngrp, 8] array's row)
+            start = [_load_vec(builder, xca.data, lane(tok), v8) for tok in toks]
+            acc = {(i, j): start[j] for i in range(rt) for j in range(tt)}
+            for c in range(LANE_GROUP // 32):
+                off = builder.add(base, _c64(32 * c))
+                ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
+                xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
+                for j in range(tt):
+                    for i in range(rt):
+                        acc[i, j] = builder.call(dot, [acc[i, j], ws[i], xs[j]])
+            dw = [_load_vec(builder, wsa.data, lane(_c64(i)), f8) for i in range(rt)]
+            nxt = []
             for j in range(tt):
+                dx = _load_vec(builder, xda.data, lane(toks[j]), f8)
                 for i in range(rt):
-                    acc[i, j] = builder.call(dot, [acc[i, j], ws[i], xs[j]])
-        dw = [_load_vec(builder, wsa.data, lane(_c64(i)), f8) for i in range(rt)]
-        for j in range(tt):
-            dx = _load_vec(builder, xda.data, lane(toks[j]), f8)
-            for i in range(rt):
-                step = builder.fmul(dw[i], dx, flags=_EXACT)
-                p = j * rt + i
-                facc[p].add_incoming(_fma(builder, builder.sitofp(acc[i, j], f8), step, facc[p]), body)
-        g.add_incoming(builder.add(g, _c64(1)), body)
-        builder.branch(head)
+                    step = builder.fmul(dw[i], dx, flags=_EXACT)
+                    nxt.append(_fma(builder, builder.sitofp(acc[i, j], f8), step, facc[j * rt + i]))
+            return nxt
 
-        builder.position_at_end(done)  # pairs p = j * rt + i
+        facc = _loop(builder, "int4s.lanes", _c64(0), ngrp, 1, [ir.Constant(f8, [0.0] * 8)] * (rt * tt), group)
         sums = _lane_sums(builder, facc)
         for j in range(tt):
             for i in range(rt):
@@ -695,7 +683,7 @@ def _lane_tile_codegen(rt: int, tt: int):
 @intrinsic
 def int4s_lane_tile(typingctx, wb, ws, xs, xc, xd, t0, out, r0, nrows, ntok):
     """``out[t, r0 + i] = sum_g ws[i, g] * xd[t, g] * sum (n - 8) * x8`` over the blocks of the
-    unpacked strip ``wb [4, k]`` / ``ws [4, k // 256, 8]`` (`_unpack_strip`) and tokens ``t0 .. t0 +
+    unpacked strip ``wb [4, k]`` / ``ws [4, k // 256, 8]`` (`unpack_lanes`, `_strip_scales`) and tokens ``t0 .. t0 +
     ntok - 1`` of ``xs [T, k]`` / ``xc`` / ``xd [T, k // 256, 8]`` (`round_i8_lanes`). ``nrows``
     (1-4) and ``ntok`` (1-3) literals; needs VNNI."""
     if not (_literal(nrows, range(1, 5)) and _literal(ntok, range(1, 4))):
@@ -707,10 +695,9 @@ def int4s_lane_tile(typingctx, wb, ws, xs, xc, xd, t0, out, r0, nrows, ntok):
 @njit(parallel=True, **_FAST)
 def i4s_mm_lanes(packed, scales, xs, xc, xd, t_lo, t_hi, out):
     """Prefill on VNNI, rows a multiple of LANE_GROUP wide (``packed`` viewed as uint32 words,
-    `round_i8_lanes` activations): each
-    task one strip of 4 weight rows, unpacked into block-lane order (in L1), against tokens ``t_lo ..
-    t_hi - 1`` in tiles of 3, the last ones one at a time; the rows past the last whole strip one
-    at a time."""
+    `round_i8_lanes` activations): each task one strip of 4 weight rows, unpacked into block-lane
+    order (in L1), against tokens ``t_lo .. t_hi - 1`` in tiles of 3, the last ones one at a time;
+    the rows past the last whole strip one at a time."""
     n, k = packed.shape[0], 8 * packed.shape[1]
     for b in prange((n + 3) // 4):
         r = 4 * b
