@@ -110,6 +110,12 @@ def _load_vec(builder, base, index, vty):
     return builder.load(p, align=1)
 
 
+def _lanes(index) -> ir.Constant:
+    """A shuffle mask: result lane i takes source lane ``index[i]``."""
+    index = list(index)
+    return ir.Constant(_vec(_I32, len(index)), index)
+
+
 def _splat(builder, x, n):
     v = builder.insert_element(ir.Constant(_vec(x.type, n), ir.Undefined), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
@@ -179,6 +185,7 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
     """
     int4 = fmt == "int4"
     i16 = lambda v: ir.Constant(_vec(_I16, 16), [v] * 16)  # noqa: E731
+    i8 = lambda v, n: ir.Constant(_vec(_I8, n), [v] * n)  # noqa: E731
 
     def codegen(builder, wa, *rest):
         if int4:
@@ -231,17 +238,18 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 if fmt == "q8_0":
                     ws = int8_chunks(blk, _c64(2))
                 else:
+                    # value j = nibble | high bit j << 4, minus 16: in bytes, the nibble or'ed with
+                    # 0xF0 (-16) where bit j is clear (qh's byte j // 8 spread over 32 lanes, one bit each)
                     qh = builder.load(builder.bitcast(builder.gep(blk, [_c64(2)], inbounds=True),
-                                                      _I32.as_pointer()), align=1)
-                    qh = _splat(builder, qh, 16)
-                    w = builder.zext(_load_vec(builder, blk, _c64(6), _vec(_I8, 16)), _vec(_I16, 16))
-                    nib = (builder.and_(w, i16(15)), builder.lshr(w, i16(4)))
-                    ws = []
-                    for c in range(2):
-                        bit = builder.and_(builder.lshr(qh, ir.Constant(_vec(_I32, 16), list(range(16 * c, 16 * c + 16)))),
-                                           ir.Constant(_vec(_I32, 16), [1] * 16))
-                        hi = builder.shl(builder.trunc(bit, _vec(_I16, 16)), i16(4))
-                        ws.append((builder.sub(builder.or_(nib[c], hi), i16(16)), c))
+                                                      _vec(_I8, 4).as_pointer()), align=1)
+                    spread = builder.shuffle_vector(qh, qh, _lanes([j // 8 for j in range(32)]))
+                    bit = builder.and_(spread, ir.Constant(_vec(_I8, 32), [1 << (j % 8) for j in range(32)]))
+                    off = builder.select(builder.icmp_unsigned("!=", bit, i8(0, 32)), i8(0, 32), i8(-16, 32))
+                    b = _load_vec(builder, blk, _c64(6), _vec(_I8, 16))
+                    nib = builder.shuffle_vector(builder.and_(b, i8(15, 16)), builder.lshr(b, i8(4, 16)), _lanes(range(32)))
+                    val = builder.or_(nib, off)
+                    ws = [(builder.sext(builder.shuffle_vector(val, val, _lanes(range(16 * c, 16 * c + 16))),
+                                        _vec(_I16, 16)), c) for c in range(2)]
             for j in range(ntok):
                 isum = None
                 for w, c in ws:
