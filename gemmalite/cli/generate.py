@@ -43,6 +43,9 @@ def load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--drafter", default=None,
                    help="gemma4_assistant folder: MTP speculative decoding (the same text, fewer target steps)")
+    p.add_argument("--gguf-prefill", choices=["float", "int8"], default="float",
+                   help="a .gguf's prompts on Q4_0 / Q5_0 / Q8_0 weights: float32 math (default), or activations "
+                        "rounded to int8 per 32 values as llama.cpp does (VNNI CPUs: faster, logits ~0.5 off)")
     backend_args(p)
     threads_arg(p)
 
@@ -68,7 +71,7 @@ def load_model(a: argparse.Namespace):
     import gemmalite
 
     return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads, drafter=getattr(a, "drafter", None),
-                          **_backend_kwargs(a))
+                          gguf_prefill=getattr(a, "gguf_prefill", "float"), **_backend_kwargs(a))
 
 
 def _backend_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -18,9 +18,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, half_to_f32_ir, literal_ladder, nibbles
-from .fdot import dot_tile
-from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop,
-                   _pmadd, _span, _splat, _vec, block_row_dot)
+from .fdot import _loop, dot_tile
+from .int4s import LANE_GROUP, lane_strip_tiles
+from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _lanes, _literal, _load_vec,
+                   _open_loop, _pmadd, _span, _splat, _vec, block_row_dot, q5_0_bytes)
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -544,3 +545,94 @@ def group_isums(xq):  # pragma: no cover - compiled
                 s += np.int32(xq[i, 32 * g + j])
             xs[i, g] = s
     return xs
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill on VNNI: Q4_0 / Q5_0 / Q8_0 strips in block-lane order against int8 activations.
+# ---------------------------------------------------------------------------------------------
+
+LANE_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}  # the blocks' values go in as value + offset, unsigned
+_LANE_BYTES = {4: 18, 5: 22, 8: 34}  # bytes per block, by the `kind` literal (bits)
+
+
+def _unpack_blocks_codegen(kind: int, nrows: int):
+    """IR of `unpack_block_lanes`: per row and block, its 32 values + offset as unsigned bytes (Q8_0:
+    the int8 values xor 0x80; Q5_0: `simd.q5_0_bytes`; Q4_0: the nibbles, low ones first), stored
+    as eight 32-bit words, word ``w`` of block ``b`` at lane ``b % 8`` of vector ``w`` of group ``b // 8``."""
+    bpb = _LANE_BYTES[kind]
+
+    def codegen(builder, ra, r0, wa):
+        nblk = builder.udiv(ra.shape[1], _c64(bpb))
+        src = ra.rows(builder, _span(builder, r0, nrows))
+        dst = [builder.bitcast(d, _I32.as_pointer()) for d in wa.rows(builder, [_c64(i) for i in range(nrows)])]
+
+        def block(b, _):
+            at = builder.add(builder.mul(builder.lshr(b, _c64(3)), _c64(64)), builder.and_(b, _c64(7)))
+            for i in range(nrows):
+                blk = builder.gep(src[i], [builder.mul(b, _c64(bpb))], inbounds=True)
+                if kind == 8:
+                    v = builder.xor(_load_vec(builder, blk, _c64(2), _vec(_I8, 32)), ir.Constant(_vec(_I8, 32), [-128] * 32))
+                elif kind == 5:
+                    v = q5_0_bytes(builder, blk, 16, 0)
+                else:
+                    q = _load_vec(builder, blk, _c64(2), _vec(_I8, 16))
+                    v = builder.shuffle_vector(builder.and_(q, ir.Constant(_vec(_I8, 16), [15] * 16)),
+                                               builder.lshr(q, ir.Constant(_vec(_I8, 16), [4] * 16)), _lanes(range(32)))
+                words = builder.bitcast(v, _vec(_I32, 8))
+                for w in range(8):
+                    ptr = builder.gep(dst[i], [builder.add(at, _c64(8 * w))], inbounds=True)
+                    builder.store(builder.extract_element(words, ir.Constant(_I32, w)), ptr)
+            return []
+
+        _loop(builder, "ggml.unpack", _c64(0), nblk, 1, [], block)
+
+    return codegen
+
+
+@intrinsic
+def unpack_block_lanes(typingctx, raw, r0, wb, kind, nrows):
+    """Rows ``r0 .. r0 + nrows - 1`` of a Q4_0 / Q5_0 / Q8_0 matrix (``kind`` 4 / 5 / 8) into ``wb``
+    uint8 ``[4, K]`` in block-lane order (`int4s.lane_strip_tiles`), each value + LANE_OFFSET.
+    ``kind`` and ``nrows`` (1-4) literals."""
+    if not (_literal(kind, (4, 5, 8)) and _literal(nrows, range(1, 5))):
+        return None
+    inner = _unpack_blocks_codegen(kind.literal_value, nrows.literal_value)
+    return types.void(raw, r0, wb, kind, nrows), _codegen(inner, 3)
+
+
+# `unpack_block_lanes` with the run-time kind and row count as the literals it wants
+_unpack_rows = literal_ladder(
+    "_unpack_rows(raw, r, wb, kind, nrows)", "unpack_block_lanes(raw, r, wb, {K}, {N})",
+    dict(unpack_block_lanes=unpack_block_lanes), K=among("kind", 4, 5, 8), N=among("nrows", 4, 1))
+
+
+@njit(inline="always", **EXACT)
+def _block_lane_scales(raw, r, nrows, bpb, ws):  # pragma: no cover - compiled
+    """The blocks' float16 scales of rows ``r ..`` as float32 into ``ws [4, K // 256, 8]`` (block
+    ``8g + b`` at ``[., g, b]``); the lanes past the last block are left as they are."""
+    for i in range(nrows):
+        for b in range(raw.shape[1] // bpb):
+            ws[i, b >> 3, b & 7] = _half(raw[r + i], b * bpb)
+
+
+@njit(parallel=True, **FAST)
+def block_mm_lanes(raw, kind, xs, xc, xd, t_lo, t_hi, out):  # pragma: no cover - compiled
+    """Prefill of Q4_0 / Q5_0 / Q8_0 rows (``kind`` 4 / 5 / 8) on VNNI against int8 activations per
+    block of 32 (`int4s.round_i8_lanes` with the kind's LANE_OFFSET, rows padded to a multiple of
+    LANE_GROUP): each task one strip of 4 weight rows unpacked in L1, then the int4 prefill's tiles
+    (`int4s.lane_strip_tiles`): exact integer block sums, one conversion and FMA per 256 products."""
+    n, kp = raw.shape[0], xs.shape[1]
+    bpb = 18 if kind == 4 else (22 if kind == 5 else 34)  # _LANE_BYTES
+    for s in prange((n + 3) // 4):
+        r = 4 * s
+        wb = np.empty((4, kp), np.uint8)
+        ws = np.zeros((4, kp // LANE_GROUP, 8), np.float32)
+        if r + 4 <= n:
+            _unpack_rows(raw, r, wb, kind, 4)
+            _block_lane_scales(raw, r, 4, bpb, ws)
+            lane_strip_tiles(wb, ws, xs, xc, xd, t_lo, t_hi, out, r, True)
+        else:
+            for i in range(r, n):
+                _unpack_rows(raw, i, wb, kind, 1)
+                _block_lane_scales(raw, i, 1, bpb, ws)
+                lane_strip_tiles(wb, ws, xs, xc, xd, t_lo, t_hi, out, i, False)

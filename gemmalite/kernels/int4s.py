@@ -46,7 +46,7 @@ from .simd import (
 )
 
 __all__ = ["LANE_GROUP", "activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_lanes", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack",
-           "i4s_task", "int4s_lane_tile", "int4s_rows_dot", "int4s_tile_dot", "round_i8_lanes", "round_i8_pairs", "token_groups",
+           "i4s_task", "int4s_lane_tile", "int4s_rows_dot", "lane_strip_tiles", "int4s_tile_dot", "round_i8_lanes", "round_i8_pairs", "token_groups",
            "unpack_lanes"]
 
 _JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
@@ -558,11 +558,12 @@ def _lane_pos(v):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, **_JIT)
-def round_i8_lanes(x, xs, xc, xd):
-    """Each row of ``x [T, k]`` (k a multiple of LANE_GROUP) rounded to int8 per block of 32 exactly
-    as `round_i8_pairs` rounds it, in block-lane order: ``xs`` int8 ``[T, k]``, ``xc`` int32 ``[T, k //
-    256, 8]`` -8 times each block's sum (the offset of the unsigned nibbles), ``xd`` float32 the
-    same shape, each block's step."""
+def round_i8_lanes(x, xs, xc, xd, offset):
+    """Each row of ``x [T, k]`` (k a multiple of 32) rounded to int8 per block of 32 exactly as
+    `round_i8_pairs` rounds it, in block-lane order: ``xs`` int8 ``[T, K]``, ``xc`` int32 ``[T, K //
+    256, 8]`` -``offset`` times each block's sum (the weights go in as unsigned bytes, value +
+    ``offset``: 8 for int4 nibbles), ``xd`` float32 the same shape, each block's step. ``K`` >= k,
+    a multiple of LANE_GROUP: the lanes past ``k`` are left as they are (zeros from the caller)."""
     t, k = x.shape
     for i in prange(t):
         for g in range(k // 32):
@@ -573,7 +574,7 @@ def round_i8_lanes(x, xs, xc, xd):
                 q = np.int32(np.rint(x[i, g * 32 + j] * inv))
                 s += q
                 xs[i, base + _lane_pos(32 * (g & 7) + j)] = q
-            xc[i, g >> 3, g & 7] = -8 * s
+            xc[i, g >> 3, g & 7] = -offset * s
             xd[i, g >> 3, g & 7] = d
 
 
@@ -692,12 +693,29 @@ def int4s_lane_tile(typingctx, wb, ws, xs, xc, xd, t0, out, r0, nrows, ntok):
     return types.void(wb, ws, xs, xc, xd, t0, out, r0, nrows, ntok), _codegen(inner, 8)
 
 
+@njit(inline="always", **_FAST)
+def lane_strip_tiles(wb, ws, xs, xc, xd, t_lo, t_hi, out, r, whole):  # pragma: no cover - compiled
+    """Tokens ``t_lo .. t_hi - 1`` against an unpacked strip (`int4s_lane_tile`): a whole strip of 4
+    rows in tiles of 3 tokens, the last ones one at a time; else the strip's one row ``r``."""
+    if whole:
+        t = t_lo
+        while t + 3 <= t_hi:
+            int4s_lane_tile(wb, ws, xs, xc, xd, t, out, r, 4, 3)
+            t += 3
+        while t < t_hi:
+            int4s_lane_tile(wb, ws, xs, xc, xd, t, out, r, 4, 1)
+            t += 1
+    else:
+        for t in range(t_lo, t_hi):
+            int4s_lane_tile(wb, ws, xs, xc, xd, t, out, r, 1, 1)
+
+
 @njit(parallel=True, **_FAST)
 def i4s_mm_lanes(packed, scales, xs, xc, xd, t_lo, t_hi, out):
     """Prefill on VNNI, rows a multiple of LANE_GROUP wide (``packed`` viewed as uint32 words,
     `round_i8_lanes` activations): each task one strip of 4 weight rows, unpacked into block-lane
-    order (in L1), against tokens ``t_lo .. t_hi - 1`` in tiles of 3, the last ones one at a time;
-    the rows past the last whole strip one at a time."""
+    order (in L1), against tokens ``t_lo .. t_hi - 1`` (`lane_strip_tiles`); the rows past the last
+    whole strip one at a time."""
     n, k = packed.shape[0], 8 * packed.shape[1]
     for b in prange((n + 3) // 4):
         r = 4 * b
@@ -706,16 +724,9 @@ def i4s_mm_lanes(packed, scales, xs, xc, xd, t_lo, t_hi, out):
         if r + 4 <= n:
             unpack_lanes(packed, r, wb, 4)
             _strip_scales(scales, r, 4, ws)
-            t = t_lo
-            while t + 3 <= t_hi:
-                int4s_lane_tile(wb, ws, xs, xc, xd, t, out, r, 4, 3)
-                t += 3
-            while t < t_hi:
-                int4s_lane_tile(wb, ws, xs, xc, xd, t, out, r, 4, 1)
-                t += 1
+            lane_strip_tiles(wb, ws, xs, xc, xd, t_lo, t_hi, out, r, True)
         else:
             for i in range(r, n):
                 unpack_lanes(packed, i, wb, 1)
                 _strip_scales(scales, i, 1, ws)
-                for t in range(t_lo, t_hi):
-                    int4s_lane_tile(wb, ws, xs, xc, xd, t, out, i, 1, 1)
+                lane_strip_tiles(wb, ws, xs, xc, xd, t_lo, t_hi, out, i, False)

@@ -116,6 +116,23 @@ def _lanes(index) -> ir.Constant:
     return ir.Constant(_vec(_I32, len(index)), index)
 
 
+def q5_0_bytes(builder, blk, if_set: int, if_clear: int) -> ir.Value:
+    """The 32 values of the Q5_0 block at ``blk`` (float16 scale, 32 high bits, 16 bytes of low
+    nibbles; value j = nibble | high bit j << 4) as bytes: each nibble or'ed with ``if_set`` where
+    its high bit is set, ``if_clear`` where not (0, -16: the value - 16 as an int8; 16, 0: the
+    value as an unsigned byte). qh's bytes are spread over 32 lanes and each lane tests its bit."""
+    def i8(v, n):
+        return ir.Constant(_vec(_I8, n), [v] * n)
+
+    qh = builder.load(builder.bitcast(builder.gep(blk, [_c64(2)], inbounds=True), _vec(_I8, 4).as_pointer()), align=1)
+    spread = builder.shuffle_vector(qh, qh, _lanes([j // 8 for j in range(32)]))
+    bit = builder.and_(spread, ir.Constant(_vec(_I8, 32), [1 << (j % 8) for j in range(32)]))
+    high = builder.select(builder.icmp_unsigned("!=", bit, i8(0, 32)), i8(if_set, 32), i8(if_clear, 32))
+    b = _load_vec(builder, blk, _c64(6), _vec(_I8, 16))
+    nib = builder.shuffle_vector(builder.and_(b, i8(15, 16)), builder.lshr(b, i8(4, 16)), _lanes(range(32)))
+    return builder.or_(nib, high)
+
+
 def _splat(builder, x, n):
     v = builder.insert_element(ir.Constant(_vec(x.type, n), ir.Undefined), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
@@ -185,7 +202,6 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
     """
     int4 = fmt == "int4"
     i16 = lambda v: ir.Constant(_vec(_I16, 16), [v] * 16)  # noqa: E731
-    i8 = lambda v, n: ir.Constant(_vec(_I8, n), [v] * n)  # noqa: E731
 
     def codegen(builder, wa, *rest):
         if int4:
@@ -238,16 +254,7 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 if fmt == "q8_0":
                     ws = int8_chunks(blk, _c64(2))
                 else:
-                    # value j = nibble | high bit j << 4, minus 16: in bytes, the nibble or'ed with
-                    # 0xF0 (-16) where bit j is clear (qh's byte j // 8 spread over 32 lanes, one bit each)
-                    qh = builder.load(builder.bitcast(builder.gep(blk, [_c64(2)], inbounds=True),
-                                                      _vec(_I8, 4).as_pointer()), align=1)
-                    spread = builder.shuffle_vector(qh, qh, _lanes([j // 8 for j in range(32)]))
-                    bit = builder.and_(spread, ir.Constant(_vec(_I8, 32), [1 << (j % 8) for j in range(32)]))
-                    off = builder.select(builder.icmp_unsigned("!=", bit, i8(0, 32)), i8(0, 32), i8(-16, 32))
-                    b = _load_vec(builder, blk, _c64(6), _vec(_I8, 16))
-                    nib = builder.shuffle_vector(builder.and_(b, i8(15, 16)), builder.lshr(b, i8(4, 16)), _lanes(range(32)))
-                    val = builder.or_(nib, off)
+                    val = q5_0_bytes(builder, blk, 0, -16)  # value - 16 as an int8
                     ws = [(builder.sext(builder.shuffle_vector(val, val, _lanes(range(16 * c, 16 * c + 16))),
                                         _vec(_I16, 16)), c) for c in range(2)]
             for j in range(ntok):

@@ -173,7 +173,7 @@ def _round_w4a8_lanes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     xs = common.aligned_empty((t, k), np.int8)
     xc = np.empty((t, k // LANE_GROUP, 8), np.int32)
     xd = np.empty((t, k // LANE_GROUP, 8), np.float32)
-    round_i8_lanes(x, xs, xc, xd)
+    round_i8_lanes(x, xs, xc, xd, 8)
     return xs, xc, xd
 
 

@@ -157,6 +157,9 @@ def test_run_demo_says_it_continues_text(home, demo):
            "--max-new-tokens", "6")
     assert "Leonardo" in r.stdout
     assert "no chat template (a base model): continuing the prompt as plain text" in r.stderr
+    fast = gl(home, "run", demo, "The three most famous painters of the Renaissance were", "--temperature", "0",
+              "--max-new-tokens", "6", "--gguf-prefill", "int8")  # llama.cpp's int8 activations in the prompt
+    assert "Leonardo" in fast.stdout
 
 
 def test_chat_demo_warns_and_inspect_gemma3(home, demo):

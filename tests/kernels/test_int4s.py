@@ -210,7 +210,7 @@ def test_int4_prefill_is_each_row_alone_and_the_prepared_input_the_same():
 def _lanes(packed, d16, x, lo=0, hi=None):
     t, k = x.shape
     xs, xc, xd = np.empty((t, k), np.int8), np.empty((t, k // LANE_GROUP, 8), np.int32), np.empty((t, k // LANE_GROUP, 8), np.float32)
-    round_i8_lanes(x, xs, xc, xd)
+    round_i8_lanes(x, xs, xc, xd, 8)
     out = np.full((t, packed.shape[0]), np.nan, np.float32)
     i4s_mm_lanes(packed.view(np.uint32), d16.view(np.uint16), xs, xc, xd, lo, t if hi is None else hi, out)
     return out, xs, xc, xd

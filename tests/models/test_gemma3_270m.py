@@ -221,3 +221,23 @@ def test_corrupted_magic_raises_checkpoint_error(tmp_path):
 
     with pytest.raises(gemmalite.CheckpointError, match="(?i)magic|not a GGUF"):
         read_gguf(path)
+
+
+def test_int8_prefill_is_opt_in(model, tmp_path):
+    """``gguf_prefill="int8"`` (llama.cpp's activation rounding in prompts, `GGMLMatrix.int8_prefill`,
+    held to exact math in tests/weights/test_ggml.py) reaches every block matrix of the GGUF,
+    split q / k / v included; the default keeps float32 math; a bad value or a folder says so."""
+    import gemmalite
+    from gemmalite.errors import InputError
+    from gemmalite.weights.ggml import GGMLMatrix
+
+    def blocks(m):
+        return [w for layer in m.engine.graph.layers for w in layer.matrices() if isinstance(w, GGMLMatrix)]
+
+    fast = gemmalite.load("gemma3-270m", context=256, gguf_prefill="int8")
+    assert len(blocks(fast)) == 7 * len(fast.engine.graph.layers)
+    assert all(w.int8_prefill for w in blocks(fast)) and not any(w.int8_prefill for w in blocks(model))
+    with pytest.raises(InputError, match="gguf_prefill must be one of"):
+        gemmalite.load("gemma3-270m", gguf_prefill="fast")
+    with pytest.raises(InputError, match="for .gguf files"):
+        gemmalite.load(tmp_path, gguf_prefill="int8")

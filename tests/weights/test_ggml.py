@@ -112,6 +112,42 @@ def test_parallel_fused_kernel(name, monkeypatch):
         close_to_f64(GGMLMatrix(raw, name, (raw.shape[0], COLS)).matmul(x), x, w, name)
 
 
+def rounded_i8(x: np.ndarray) -> np.ndarray:
+    """x rounded to int8 per 32 values as the int8 prefill rounds it (step max|x| / 127 in float32,
+    round to nearest of x times its float32 inverse), back in float64."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(2) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    return (np.rint(xb * inv[:, :, None]).astype(np.float64) * d[:, :, None]).reshape(x.shape)
+
+
+@pytest.mark.skipif(not common.HAVE_VNNI, reason="no VNNI on this CPU")
+@pytest.mark.parametrize("name", sorted(ggml_kernels.LANE_OFFSET))
+@pytest.mark.parametrize("cols", [COLS, 640])  # 640: the last group of 256 half empty (Gemma 3 270M's width)
+def test_int8_prefill_is_exact_math_on_rounded_activations(name, cols):
+    """With ``int8_prefill`` (`load(..., gguf_prefill="int8")`), prefill rows of Q4_0 / Q5_0 / Q8_0
+    on VNNI (block lanes, `ggml.block_mm_lanes`) are float64
+    math on the reference dequantizer's weights and the activations rounded to int8 per 32 values,
+    to float32 accumulation error (the block sums are exact integers); a token's row is the same
+    bit for bit whatever the tokens beside it (tiles of 3, a ragged strip of rows, passes of
+    TOKEN_CHUNK tokens)."""
+    rows = 42
+    raw = make_raw(name, rows=rows, cols=cols, seed=9)
+    w = reference(raw, name).astype(np.float64)
+    m = GGMLMatrix(raw, name, (rows, cols))
+    x = (np.random.default_rng(10).standard_normal((131, cols)) * np.linspace(0.1, 30, cols)).astype(np.float32)
+    x[3, :32] = 0  # an all-zero block
+    close_to_f64(m.matmul(x), x, reference(raw, name), name)  # off by default: float32 math
+    m.int8_prefill = True
+    y = m.matmul(x)
+    xr = rounded_i8(x)
+    bound = 1e-5 * (np.abs(xr) @ np.abs(w).T) + 1e-30
+    assert np.all(np.abs(y - xr @ w.T) <= bound), float(np.max(np.abs(y - xr @ w.T) / bound))
+    for lo, hi in ((0, 5), (5, 12), (125, 131)):
+        assert np.array_equal(m.matmul(x[lo:hi]), y[lo:hi])
+    assert m.row_slice(8, 20).int8_prefill and np.array_equal(m.row_slice(8, 20).matmul(x), y[:, 8:20])
+
+
 def test_blas_path_in_several_slabs(monkeypatch):
     """Slabs smaller than the matrix, with a ragged last one, give the same products."""
     raw = make_raw("Q4_K", rows=200, seed=2)
