@@ -20,8 +20,8 @@ from numba.extending import intrinsic, overload
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, half_to_f32_ir, literal_ladder, nibbles
 from .fdot import _loop, dot_tile
 from .int4s import LANE_GROUP, lane_strip_tiles
-from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _lanes, _literal, _load_vec,
-                   _open_loop, _pmadd, _span, _splat, _vec, block_row_dot, q5_0_bytes)
+from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop,
+                   _pmadd, _span, _splat, _vec, block_row_dot, nibble_bytes, q5_0_bytes)
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -552,14 +552,13 @@ def group_isums(xq):  # pragma: no cover - compiled
 # ---------------------------------------------------------------------------------------------
 
 LANE_OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}  # the blocks' values go in as value + offset, unsigned
-_LANE_BYTES = {4: 18, 5: 22, 8: 34}  # bytes per block, by the `kind` literal (bits)
 
 
 def _unpack_blocks_codegen(kind: int, nrows: int):
     """IR of `unpack_block_lanes`: per row and block, its 32 values + offset as unsigned bytes (Q8_0:
     the int8 values xor 0x80; Q5_0: `simd.q5_0_bytes`; Q4_0: the nibbles, low ones first), stored
     as eight 32-bit words, word ``w`` of block ``b`` at lane ``b % 8`` of vector ``w`` of group ``b // 8``."""
-    bpb = _LANE_BYTES[kind]
+    bpb = 2 + 4 * kind  # a block: its float16 scale, 32 values of ``kind`` bits
 
     def codegen(builder, ra, r0, wa):
         nblk = builder.udiv(ra.shape[1], _c64(bpb))
@@ -575,9 +574,7 @@ def _unpack_blocks_codegen(kind: int, nrows: int):
                 elif kind == 5:
                     v = q5_0_bytes(builder, blk, 16, 0)
                 else:
-                    q = _load_vec(builder, blk, _c64(2), _vec(_I8, 16))
-                    v = builder.shuffle_vector(builder.and_(q, ir.Constant(_vec(_I8, 16), [15] * 16)),
-                                               builder.lshr(q, ir.Constant(_vec(_I8, 16), [4] * 16)), _lanes(range(32)))
+                    v = nibble_bytes(builder, blk, 2)
                 words = builder.bitcast(v, _vec(_I32, 8))
                 for w in range(8):
                     ptr = builder.gep(dst[i], [builder.add(at, _c64(8 * w))], inbounds=True)
@@ -622,7 +619,7 @@ def block_mm_lanes(raw, kind, xs, xc, xd, t_lo, t_hi, out):  # pragma: no cover 
     LANE_GROUP): each task one strip of 4 weight rows unpacked in L1, then the int4 prefill's tiles
     (`int4s.lane_strip_tiles`): exact integer block sums, one conversion and FMA per 256 products."""
     n, kp = raw.shape[0], xs.shape[1]
-    bpb = 18 if kind == 4 else (22 if kind == 5 else 34)  # _LANE_BYTES
+    bpb = 2 + 4 * kind  # a block: its float16 scale, 32 values of ``kind`` bits
     for s in prange((n + 3) // 4):
         r = 4 * s
         wb = np.empty((4, kp), np.uint8)

@@ -46,8 +46,8 @@ from .simd import (
 )
 
 __all__ = ["LANE_GROUP", "activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_lanes", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack",
-           "i4s_task", "int4s_lane_tile", "int4s_rows_dot", "lane_strip_tiles", "int4s_tile_dot", "round_i8_lanes", "round_i8_pairs", "token_groups",
-           "unpack_lanes"]
+           "i4s_task", "int4s_lane_tile", "int4s_rows_dot", "int4s_tile_dot", "lane_strip_tiles", "round_i8_lanes",
+           "round_i8_pairs", "token_groups", "unpack_lanes"]
 
 _JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
 

@@ -121,16 +121,22 @@ def q5_0_bytes(builder, blk, if_set: int, if_clear: int) -> ir.Value:
     nibbles; value j = nibble | high bit j << 4) as bytes: each nibble or'ed with ``if_set`` where
     its high bit is set, ``if_clear`` where not (0, -16: the value - 16 as an int8; 16, 0: the
     value as an unsigned byte). qh's bytes are spread over 32 lanes and each lane tests its bit."""
-    def i8(v, n):
-        return ir.Constant(_vec(_I8, n), [v] * n)
+    def i8(v):
+        return ir.Constant(_vec(_I8, 32), [v] * 32)
 
     qh = builder.load(builder.bitcast(builder.gep(blk, [_c64(2)], inbounds=True), _vec(_I8, 4).as_pointer()), align=1)
     spread = builder.shuffle_vector(qh, qh, _lanes([j // 8 for j in range(32)]))
     bit = builder.and_(spread, ir.Constant(_vec(_I8, 32), [1 << (j % 8) for j in range(32)]))
-    high = builder.select(builder.icmp_unsigned("!=", bit, i8(0, 32)), i8(if_set, 32), i8(if_clear, 32))
-    b = _load_vec(builder, blk, _c64(6), _vec(_I8, 16))
-    nib = builder.shuffle_vector(builder.and_(b, i8(15, 16)), builder.lshr(b, i8(4, 16)), _lanes(range(32)))
-    return builder.or_(nib, high)
+    high = builder.select(builder.icmp_unsigned("!=", bit, i8(0)), i8(if_set), i8(if_clear))
+    return builder.or_(nibble_bytes(builder, blk, 6), high)
+
+
+def nibble_bytes(builder, base, start: int) -> ir.Value:
+    """The 16 bytes at ``base[start:]`` as 32 nibbles (``<32 x i8>``): the low ones, then the high
+    ones (a GGML block's value order)."""
+    b = _load_vec(builder, base, _c64(start), _vec(_I8, 16))
+    low, four = ir.Constant(_vec(_I8, 16), [15] * 16), ir.Constant(_vec(_I8, 16), [4] * 16)
+    return builder.shuffle_vector(builder.and_(b, low), builder.lshr(b, four), _lanes(range(32)))
 
 
 def _splat(builder, x, n):
