@@ -191,7 +191,7 @@ def py(script: str, *args) -> list[str]:
 def g3_commands(a):
     lengths = size(a, [128, 512, 1024, 2048, 4096], [128, 512, 1024], [64])
     new, runs = size(a, (64, 3), (32, 2), (8, 1))
-    engines = "gemmalite,llamacpp" if has_llama_cpp() else "gemmalite"
+    engines = "gemmalite,gemmalite-int8,llamacpp" if has_llama_cpp() else "gemmalite,gemmalite-int8"
     out = []
     for n in lengths:
         out.append((n, py("bench_gemma3_gguf.py", "--prompt-tokens", n, "--new-tokens", new, "--runs", runs,
@@ -222,6 +222,9 @@ def g3_figs(n, out, a):
     if n in (128, max(x for x, _ in g3_commands(a))):
         figs.append(Fig(f"prefill, {n:,} tokens", "tok/s", g["prefill_tok_s"], peer, l.get("prefill_tok_s"), note,
                         side=side))
+        if "gemmalite-int8" in r:  # --gguf-prefill int8: the prompt's activations in int8, as llama.cpp's
+            figs.append(Fig(f"prefill, {n:,} tokens, `--gguf-prefill int8`", "tok/s", r["gemmalite-int8"]["prefill_tok_s"],
+                            peer, l.get("prefill_tok_s"), note, side=side))
         figs.append(Fig(f"peak RSS, {n:,}-token prompt (lower is better)", "GiB", g["peak_rss_bytes"] / 2**30,
                         peer.replace("llama-bench", "not measured by llama-bench"),
                         l["peak_rss_bytes"] / 2**30 if l else None, note))
