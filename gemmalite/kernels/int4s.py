@@ -43,6 +43,7 @@ from .simd import (
     _splat,
     _vec,
     _vpdpbusd,
+    byte_dots,
 )
 
 __all__ = ["LANE_GROUP", "activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_lanes", "i4s_mm_w4a8", "i4s_mvn_w4a8", "i4s_pack",
@@ -654,13 +655,7 @@ def _lane_tile_codegen(rt: int, tt: int):
             lane = lambda row: builder.mul(builder.add(builder.mul(row, ngrp), g), _c64(8))  # noqa: E731  (a [., ngrp, 8] array's row)
             start = [_load_vec(builder, xca.data, lane(tok), v8) for tok in toks]
             acc = {(i, j): start[j] for i in range(rt) for j in range(tt)}
-            for c in range(LANE_GROUP // 32):
-                off = builder.add(base, _c64(32 * c))
-                ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
-                xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in xrow]
-                for j in range(tt):
-                    for i in range(rt):
-                        acc[i, j] = builder.call(dot, [acc[i, j], ws[i], xs[j]])
+            acc = byte_dots(builder, dot, acc, wrow, xrow, base, LANE_GROUP // 32, False)
             dw = [_load_vec(builder, wsa.data, lane(_c64(i)), f8) for i in range(rt)]
             nxt = []
             for j in range(tt):

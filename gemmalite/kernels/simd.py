@@ -139,6 +139,22 @@ def nibble_bytes(builder, base, start: int) -> ir.Value:
     return builder.shuffle_vector(builder.and_(b, low), builder.lshr(b, four), _lanes(range(32)))
 
 
+def byte_dots(builder, dot, acc: dict, wrows: list, xrows: list, base, chunks: int, x_unsigned: bool) -> dict:
+    """``acc[i, j]`` (int32 x 8) after ``vpdpbusd`` (``dot``) of weight row ``i`` and activation row
+    ``j`` over the ``chunks`` 32-byte chunks from ``base``: each chunk's rows loaded once for the
+    tile. ``x_unsigned``: the activations are the unsigned operand (else the weights)."""
+    acc = dict(acc)
+    for c in range(chunks):
+        off = builder.add(base, _c64(32 * c))
+        ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), _vec(_I32, 8)) for w in wrows]
+        xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), _vec(_I32, 8)) for x in xrows]
+        for j in range(len(xrows)):
+            for i in range(len(wrows)):
+                pair = (xs[j], ws[i]) if x_unsigned else (ws[i], xs[j])
+                acc[i, j] = builder.call(dot, [acc[i, j], *pair])
+    return acc
+
+
 def _splat(builder, x, n):
     v = builder.insert_element(ir.Constant(_vec(x.type, n), ir.Undefined), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
@@ -488,13 +504,7 @@ def _u8_tile_codegen(rt: int, tt: int, split: bool):
         for plane, rows in enumerate(planes):
             if plane:  # the hi plane's sums times 256, before the lo plane's products
                 acc = {key: builder.shl(a, ir.Constant(v8, [8] * 8)) for key, a in acc.items()}
-            for c in range(U8_BLOCK // 32):
-                off = builder.add(base, _c64(32 * c))
-                ws = [builder.bitcast(_load_vec(builder, w, off, _vec(_I8, 32)), v8) for w in wrow]
-                xs = [builder.bitcast(_load_vec(builder, x, off, _vec(_I8, 32)), v8) for x in rows]
-                for j in range(tt):
-                    for i in range(rt):
-                        acc[i, j] = builder.call(dot, [acc[i, j], xs[j], ws[i]])
+            acc = byte_dots(builder, dot, acc, wrow, rows, base, U8_BLOCK // 32, True)
         dptr = builder.gep(da.data, [builder.add(builder.mul(kb, t_all), t0)], inbounds=True)
         for j in range(tt):
             d = _splat(builder, builder.load(builder.gep(dptr, [_c64(j)], inbounds=True)), 8)
