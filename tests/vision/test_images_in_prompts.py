@@ -172,9 +172,10 @@ def test_converted_checkpoint_keeps_the_tower(ckpt, gl, tmp_path):
     path, _ = ckpt
     out = convert(path, tmp_path / "int8", "int8", progress=False)
     assert (out / "processor_config.json").exists()
-    converted = gl.load(out)
+    converted = gl.load(out, threads=2)  # one thread count for both (see the note on issue 25: with
+    # pictures an int8 model's logits still depend on it, up to 7.8e-6; the governor may pick 1 under load)
     assert type(converted.vision.tower.layers[0].q.w).__name__ == "Int8Matrix"
-    want = gl.load(path, quant="int8").logits(PROMPT, images=IMAGES)
+    want = gl.load(path, quant="int8", threads=2).logits(PROMPT, images=IMAGES)
     np.testing.assert_array_equal(converted.logits(PROMPT, images=IMAGES), want)
 
 
