@@ -39,18 +39,18 @@ def gl():
 @pytest.fixture
 def w8a8_weights(monkeypatch):
     """The ids of the int8 weight arrays the VNNI W8A8 prefill kernel ran on during the test (a
-    spy on `weights.quant.i8_mm_w8a8`): which matrices took int8 activations."""
+    spy on `weights.quant.i8_mm_vnni`): which matrices took int8 activations."""
     from gemmalite.weights import quant
 
     seen: set[int] = set()
-    kernel = quant.i8_mm_w8a8
+    kernel = quant.i8_mm_vnni
 
     def spy(q, scale, xu, xh, *args):
         if xh is None:  # int8 activations (int16 ones come as two byte planes)
             seen.add(id(q))
         return kernel(q, scale, xu, xh, *args)
 
-    monkeypatch.setattr(quant, "i8_mm_w8a8", spy)
+    monkeypatch.setattr(quant, "i8_mm_vnni", spy)
     return seen
 
 

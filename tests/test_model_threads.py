@@ -1,5 +1,6 @@
 """One loaded `Model` serves several threads, and several interleaved streams, at once: each
-call owns its state, so every result equals the same call run alone (greedy and seeded)."""
+call owns its state, so every result equals the same call run alone (greedy and seeded); and
+the compute thread count changes no number."""
 from __future__ import annotations
 
 import threading
@@ -62,6 +63,15 @@ def test_logits_in_threads(model):
     solo = [model.logits(p) for p in PROMPTS]
     for a, b in zip(in_threads(model.logits, PROMPTS), solo):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_the_thread_count_changes_no_number(folder, gl, quant):
+    """A prompt past SHORT_ROWS (float32 products through BLAS, whose own sums depend on its
+    thread count) gives the same logits on 1 and 2 compute threads, bit for bit."""
+    ids = random_ids(150, VOCAB, seed=7)
+    one = gl.load(folder, quant=quant, threads=1).logits(ids)
+    np.testing.assert_array_equal(gl.load(folder, quant=quant, threads=2).logits(ids), one)
 
 
 def test_generate_text_in_threads(model):

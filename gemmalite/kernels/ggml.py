@@ -309,10 +309,10 @@ def make_kernels(name: str) -> _Kernels:
     kind = _KINDS.index(name)
     bs = block_info(name)[0]
 
-    @njit(**EXACT)
+    @njit(nogil=True, **EXACT)
     def gather(raw, ids, out, n):
-        """Serial on purpose: lookups are a few rows, and slabs for BLAS must not start a
-        parallel region between BLAS calls (OpenBLAS's spinning workers make it crawl)."""
+        """Serial on purpose (lookups are a few rows), without the GIL: the BLAS tiles of a
+        prefill decode their rows on several Python threads (`kernels.blas`)."""
         for i in range(ids.shape[0]):
             _decode_row(kind, raw[ids[i]], out[i], bs, n)
 

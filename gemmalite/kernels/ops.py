@@ -5,21 +5,15 @@ need is here. The numba loops behind them are in `numba_ops`.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
 import numpy as np
 
-from . import common
+from . import blas, common
 from .numba_ops import (KEY_BLOCK, attention_blocked, attention_decode, attention_rows, gelu_tanh_mul_flat,
                         gelu_tanh_mul_parallel, key_block_bounds, rms_norm_rows, rms_norm_rows_parallel, rope_rows,
                         softmax_rows_serial)
 
 MASKED = np.float32(-1e30)  # finite: a fully masked row can never turn into NaN
 QUERY_BLOCK = 256  # query rows per block of the BLAS attention: bounds its score matrix
-# Fewer query rows than this keep the BLAS attention on the calling thread (with BLAS's own
-# threads): changing OpenBLAS's thread count costs a few ms, more than a short query's attention.
-THREADED_HEADS_MIN_ROWS = 64
 
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -122,41 +116,19 @@ def attention(
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(q_pos, dtype=np.int64),
                          np.ascontiguousarray(k_pos, dtype=np.int64), window or 0, np.float32(scale), out, causal,
-                         _threads())
+                         blas.threads())
         return out
     if blas_free:
         return attention_numba(q, k, v, q_pos, k_pos, window, scale, causal)
     return _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal)
 
 
-def _threads() -> int:
-    import numba
-
-    return numba.get_num_threads()
-
-
-_HEAD_POOL: tuple[ThreadPoolExecutor, Any] | None = None
-
-
-def _head_pool() -> tuple[ThreadPoolExecutor, Any]:
-    """Python threads for the BLAS attention's heads and the BLAS thread limit they run under."""
-    global _HEAD_POOL
-    if _HEAD_POOL is None:
-        import numba
-        from threadpoolctl import ThreadpoolController
-
-        _HEAD_POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "gemmalite-heads"), ThreadpoolController()
-    return _HEAD_POOL
-
-
 def _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal) -> np.ndarray:
     """The batched BLAS path: per KV head and ``QUERY_BLOCK`` query rows, scores by BLAS, the
-    fused softmax in numba, then BLAS again. With several KV heads and threads, the heads are
-    split over Python threads, each calling single-threaded BLAS (numpy and numba release the
-    GIL): OpenBLAS's own pool, spinning beside numba's, slowed the numba kernels that follow
-    by up to 2x (the vision tower: its int8 products 1.2 s alone against 2.5 s)."""
-    import numba
-
+    fused softmax in numba, then BLAS again. The heads are spread over the compute threads, each
+    calling single-threaded BLAS (`blas.run_single_threaded`): the same numbers on any thread
+    count, and no OpenBLAS pool spinning beside numba's (it slowed the numba kernels that follow
+    by up to 2x: the vision tower's int8 products 1.2 s alone against 2.5 s)."""
     T, nq, D = q.shape
     kv = k.shape[1]
     g = nq // kv
@@ -184,12 +156,6 @@ def _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal) -> np.ndarray:
                 softmax_rows_serial(scores, np.float32(scale))
                 heads_out[t0 : t0 + tb, h] = (scores @ vt[h]).reshape(tb, g, D)
 
-    n = min(kv, numba.get_num_threads())
-    if n <= 1 or T < THREADED_HEADS_MIN_ROWS:
-        heads(range(kv))
-        return out
-    pool, blas = _head_pool()
-    with blas.limit(limits=1, user_api="blas"):
-        for f in [pool.submit(heads, range(i, kv, n)) for i in range(n)]:
-            f.result()
+    n = min(kv, blas.threads())  # a head's numbers do not depend on which heads share its thread
+    blas.run_single_threaded([lambda i=i: heads(range(i, kv, n)) for i in range(n)])
     return out

@@ -200,7 +200,7 @@ def round_i16_planes(x, xl, xh, xd):
 
 
 @njit(parallel=True, **_FAST)
-def i8_mm_w8a8(q, scale, xu, xh, xd, t_lo, t_hi, out):
+def i8_mm_vnni(q, scale, xu, xh, xd, t_lo, t_hi, out):
     """Prefill on VNNI (``u8_tile_dot``) with int8 activations (``xh`` None) or int16 ones as two
     byte planes (`round_i16_planes`): tiles of 4 rows x 3 tokens over tokens ``t_lo .. t_hi - 1``
     (24 accumulators and 7 loaded vectors: all of AVX-512's 32 registers, no spills), each task
@@ -229,7 +229,7 @@ def i8_mm_w8a8(q, scale, xu, xh, xd, t_lo, t_hi, out):
                     u8_tile_dot(q, lc, xu, xh, xd, i, t, out, scale, 1, 1)
 
 
-@njit(**_JIT)
+@njit(nogil=True, **_JIT)  # BLAS tiles decode on several Python threads (kernels.blas)
 def i8_dequant_range(q, scale, r0, out):
     m, k = out.shape
     for i in range(m):
@@ -512,7 +512,7 @@ def i4_dequant_row(packed, scales, mins, r, group, o, sym):
                           o[g * group : g * group + h], o[g * group + h : g * group + group])
 
 
-@njit(**_JIT)
+@njit(nogil=True, **_JIT)  # BLAS tiles decode on several Python threads (kernels.blas)
 def i4_dequant_range(packed, scales, mins, r0, group, out, sym=False):
     for i in range(out.shape[0]):
         i4_dequant_row(packed, scales, mins, r0 + i, group, out[i], sym)

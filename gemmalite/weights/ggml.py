@@ -6,10 +6,11 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
 * ``matmul(x)``  for a few input rows (decode, short prompts: see ``FUSED_MAX_T``) runs a numba
   kernel that decodes one weight row at a time into a per-thread buffer and dots it with every
   ``x`` row in float32, parallel over output rows for big matrices (``PARALLEL_MIN``): the
-  weights cross the memory bus once, still compressed. Longer inputs (prefill) decode ``SLAB_BYTES``-sized slabs of rows to float32 and
-  let BLAS multiply them, so the float32 copy never exceeds one slab. The slab decode runs on
-  the calling thread: a numba parallel region between BLAS calls fights OpenBLAS's spinning
-  worker threads (measured 10x slower on 2 cores), and BLAS dominates there anyway.
+  weights cross the memory bus once, still compressed. Longer inputs (prefill) decode tiles of rows to float32 and
+  let single-threaded BLAS multiply them, the compute threads taking the tiles (`kernels.blas`:
+  the same numbers on any thread count), so the float32 copy never exceeds a tile per thread.
+  No numba parallel region runs between BLAS calls (it fought OpenBLAS's spinning workers:
+  measured 10x slower on 2 cores).
 
 Numerics: the decoders (`gemmalite.kernels.ggml`) reproduce llama.cpp's dequantizers bit for
 bit, so products equal float32 math on the dequantized matrix up to summation order. Where a
@@ -28,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import common
+from ..kernels import blas, common
 from ..kernels.ggml import (FLOAT_TYPES, KERNELS, KQ_KINDS, LANE_OFFSET, W, block_info, block_mm_lanes, row_bytes,
                             type_name)
 from ..kernels.int4s import LANE_GROUP, round_i8_lanes
-from .matrix import BF16, Matrix, Prepared, as_matrix
+from .matrix import BF16, Matrix, Prepared, _scratch_buffer, as_matrix
 from .operands import GGML_OPS, BlockOp, KQuantOp, run_product
 from .quant import _token_chunks
 
@@ -40,7 +41,6 @@ from .quant import _token_chunks
 # x (T x cols float32) stays cache-resident; beyond that BLAS on decoded slabs is faster.
 FUSED_MAX_T = 64
 FUSED_MAX_X = 128 * 1024  # T * cols values (512 KiB of x)
-SLAB_BYTES = 4 << 20  # float32 bytes per dequantized slab in the BLAS path
 # Below this much work (weights x max(1, T/4)) the fused kernel stays on the calling thread:
 # waking the thread pool costs more than it saves. Since a decode step makes no BLAS call (so
 # numba's pool is the only one awake), even Gemma 3 270M's 256 x 640 matrices gain from both
@@ -204,16 +204,16 @@ class GGMLMatrix(Matrix):
         return out
 
     def _blas(self, x: np.ndarray) -> np.ndarray:
-        rows, cols = self.shape
-        out = np.empty((x.shape[0], rows), dtype=np.float32)
-        step = min(rows, max(64, SLAB_BYTES // (4 * cols)))
-        slab = np.empty((step, cols), dtype=np.float32)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            blk = slab[: r1 - r0]
+        """Prompts of the other block types: tiles of rows decoded to float32 (serial nogil gather
+        into the thread's scratch), then BLAS (`kernels.blas.products`)."""
+        cols = self.shape[1]
+
+        def tile(r0: int, r1: int) -> np.ndarray:
+            blk = _scratch_buffer((r1 - r0) * cols).reshape(-1, cols)
             self._k.gather(self.raw, np.arange(r0, r1), blk, W)
-            out[:, r0:r1] = x @ blk.T
-        return out
+            return blk
+
+        return blas.products(x, self.shape[0], tile)
 
 
 def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:

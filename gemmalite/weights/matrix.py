@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..kernels import common
+from ..kernels import blas, common
 from ..kernels.half import ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
 from ..kernels.numba_ops import matmul_tiles
 from .operands import F32Op, HalfOp, products_each, run_product, with_kernel
@@ -31,7 +31,6 @@ try:  # bfloat16 is only a storage format here; math is float32
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
-_PREFILL_ELEMS = 1 << 20  # target elements (4 MiB of float32) per converted prefill block
 _scratch = threading.local()
 
 
@@ -42,11 +41,6 @@ def _scratch_buffer(n: int) -> np.ndarray:
     if buf is None or buf.size < n:
         buf = _scratch.buf = np.empty(n, dtype=np.float32)
     return buf[:n]
-
-
-def _prefill_rows(cols: int) -> int:
-    b = _PREFILL_ELEMS // max(cols, 1)
-    return int(min(1024, max(256, b - b % 64)))
 
 
 FAULT_AROUND = 64 * 1024  # bytes the kernel maps around a faulting page of a cached file (its default)
@@ -203,22 +197,17 @@ class Matrix:
         raise NotImplementedError
 
     def _matmul_blocked(self, x: np.ndarray) -> np.ndarray:
-        """Prefill of compressed storage: convert blocks of rows into the calling thread's
-        scratch buffer, multiply each with BLAS; no float32 copy of the whole matrix.
+        """Prefill of compressed storage through BLAS (`kernels.blas.products`): each tile of rows
+        converted by a serial nogil kernel into its thread's scratch buffer, then multiplied; no
+        float32 copy of the whole matrix."""
+        k = self.shape[1]
 
-        The conversion runs on the calling thread only (serial numba kernel): with a
-        parallel one, numba's OpenMP workers and OpenBLAS's spinning workers would alternate
-        block by block and oversubscribe the cores. BLAS uses all cores for the product.
-        """
-        n, k = self.shape
-        out = np.empty((x.shape[0], n), dtype=np.float32)
-        b = _prefill_rows(k)
-        buf = _scratch_buffer(min(b, n) * k).reshape(-1, k)
-        for r0 in range(0, n, b):
-            blk = buf[: min(b, n - r0)]
+        def tile(r0: int, r1: int) -> np.ndarray:
+            blk = _scratch_buffer((r1 - r0) * k).reshape(-1, k)
             self._dequant_range(r0, blk)
-            np.matmul(x, blk.T, out=out[:, r0 : r0 + blk.shape[0]])
-        return out
+            return blk
+
+        return blas.products(np.ascontiguousarray(x, dtype=np.float32), self.shape[0], tile)
 
 
 class F32Matrix(Matrix):
@@ -245,7 +234,7 @@ class F32Matrix(Matrix):
             out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
             matmul_tiles(x, self.w, out)
             return out
-        return x @ self.w.T
+        return blas.products(x, self.shape[0], lambda r0, r1: self.w[r0:r1])
 
     def _make_operand(self) -> F32Op:
         return F32Op(self.w)

@@ -57,7 +57,8 @@ activations (``simd.int8_tile_dot``, 2-3x the float32 BLAS path; on VNNI `matmul
 activations go through the 8-bit tiles as two byte planes instead); all keep per-lane float sums
 and fold a pair's lanes once, at the end;
 symmetric int4 runs W4A8 tiles (``kernels.int4s``); asymmetric int4 and CPUs without AVX2
-dequantize row blocks into one reused float32 buffer and multiply with BLAS. All kernels are cached on disk. On this 2-core
+dequantize tiles of rows into a reused float32 buffer per thread and multiply them with
+single-threaded BLAS (``kernels.blas``: the same numbers on any thread count). All kernels are cached on disk. On this 2-core
 machine both int8 and int4 decode run near memory bandwidth (the portable float int4 kernel
 is bound by nibble unpacking at ~6 GB/s). Thread pools: numba's OpenMP workers and
 OpenBLAS's workers each spin after a call; the engine keeps them from overlapping (no BLAS
@@ -80,7 +81,7 @@ from ..kernels.quant import (
     i4_quantize,
     i8_dequant_ids,
     i8_dequant_range,
-    i8_mm_w8a8,
+    i8_mm_vnni,
     i8_mm_w8a16,
     i8_mv1,
     i8_mv4,
@@ -94,6 +95,10 @@ from .matrix import Matrix, Prepared
 from .operands import Int4aOp, Int4RowsOp, Int4sOp, Int8Op, Int8RowsOp, run_product
 
 __all__ = ["Int8Matrix", "Int4Matrix", "quantize"]
+
+# int16 activations on VNNI go through the 8-bit tiles as two byte planes (`Int8Matrix._planes`):
+# the planes keep the int16 rounding's scale per block, so the two block sizes must be one
+assert TILE_BLOCK == U8_BLOCK
 
 TOKEN_CHUNK = 128       # int8 prefill: tokens per pass over the weights (x chunk: 128 * k * 2 bytes)
 QUANT_BLOCK = 4096      # rows converted to float32 at a time when quantizing
@@ -298,7 +303,7 @@ class Int8Matrix(_Quantized):
     @staticmethod
     def _planes() -> bool:
         """Do int16 activations go as two byte planes through the 8-bit tiles (VNNI)?"""
-        return common.HAVE_VNNI and TILE_BLOCK == U8_BLOCK
+        return common.HAVE_VNNI
 
     def _int16_rows(self) -> bool:
         return common.HAVE_AVX2 and self.shape[1] % 32 == 0
@@ -346,7 +351,7 @@ class Int8Matrix(_Quantized):
         if rounded is None and self._planes():
             xl, xh, xd8 = planes if planes is not None else _round_planes(x)
             for t0, t1 in _token_chunks(t):
-                i8_mm_w8a8(self.q, self.scale, xl, xh, xd8, t0, t1, out)
+                i8_mm_vnni(self.q, self.scale, xl, xh, xd8, t0, t1, out)
             return out
         xq, xd = rounded if rounded is not None else _round_tiles(x)
         for t0, t1 in _token_chunks(t):
@@ -361,7 +366,7 @@ class Int8Matrix(_Quantized):
         xu, xd = rounded if rounded is not None else _round_u8(x)
         out = np.empty((t, self.shape[0]), dtype=np.float32)
         for t0, t1 in _token_chunks(t):
-            i8_mm_w8a8(self.q, self.scale, xu, None, xd, t0, t1, out)
+            i8_mm_vnni(self.q, self.scale, xu, None, xd, t0, t1, out)
         return out
 
     def __repr__(self):

@@ -1,4 +1,4 @@
-"""int8 prefill on VNNI (`simd.u8_tile_dot` via `quant.i8_mm_w8a8`): activations rounded to int8
+"""int8 prefill on VNNI (`simd.u8_tile_dot` via `quant.i8_mm_vnni`): activations rounded to int8
 per block, 8-bit dot products, checked against exact integer math in float64."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gemmalite.kernels import common
-from gemmalite.kernels.quant import i8_mm_w8a8, round_i16_planes, round_int16_rows, round_u8_rows
+from gemmalite.kernels.quant import i8_mm_vnni, round_i16_planes, round_int16_rows, round_u8_rows
 from gemmalite.kernels.simd import U8_BLOCK as TILE_BLOCK  # the VNNI kernel's block
 
 pytestmark = pytest.mark.skipif(not (common.HAVE_AVX2 and common.HAVE_VNNI),
@@ -63,8 +63,8 @@ def test_tiles_match_exact_integer_math(n, k, t, chunk):
     xu, xd = _rounded(x)
     out = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(0, t, chunk):
-        i8_mm_w8a8(q, scale, xu, None, xd, t0, min(t, t0 + chunk), out)
-    _check_exact(q, scale, xu.astype(np.int64) - 128, xd, out, lambda t0, o: i8_mm_w8a8(q, scale, xu, None, xd, t0, t0 + 1, o))
+        i8_mm_vnni(q, scale, xu, None, xd, t0, min(t, t0 + chunk), out)
+    _check_exact(q, scale, xu.astype(np.int64) - 128, xd, out, lambda t0, o: i8_mm_vnni(q, scale, xu, None, xd, t0, t0 + 1, o))
 
 
 def _check_exact(q, scale, xi, xd, out, one_token):
@@ -102,8 +102,8 @@ def test_int16_planes_match_exact_integer_math(n, k, t, chunk):
     assert xi.min() >= -32767 and xi.max() <= 32767 and set(np.unique(xi[1, :TILE_BLOCK])) == {-32767, 32767}
     out = np.full((t, n), np.nan, dtype=np.float32)
     for t0 in range(0, t, chunk):
-        i8_mm_w8a8(q, scale, xl, xh, xd, t0, min(t, t0 + chunk), out)
-    _check_exact(q, scale, xi, xd, out, lambda t0, o: i8_mm_w8a8(q, scale, xl, xh, xd, t0, t0 + 1, o))
+        i8_mm_vnni(q, scale, xl, xh, xd, t0, min(t, t0 + chunk), out)
+    _check_exact(q, scale, xi, xd, out, lambda t0, o: i8_mm_vnni(q, scale, xl, xh, xd, t0, t0 + 1, o))
 
 
 def test_env_forces_the_portable_path():

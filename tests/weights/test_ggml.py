@@ -148,11 +148,13 @@ def test_int8_prefill_is_exact_math_on_rounded_activations(name, cols):
     assert m.row_slice(8, 20).int8_prefill and np.array_equal(m.row_slice(8, 20).matmul(x), y[:, 8:20])
 
 
-def test_blas_path_in_several_slabs(monkeypatch):
-    """Slabs smaller than the matrix, with a ragged last one, give the same products."""
+def test_blas_path_in_several_tiles(monkeypatch):
+    """BLAS tiles smaller than the matrix, with a ragged last one, give the products."""
+    from gemmalite.kernels import blas
+
     raw = make_raw("Q4_K", rows=200, seed=2)
     w = reference(raw, "Q4_K")
-    monkeypatch.setattr(ggml, "SLAB_BYTES", 64 * COLS * 4)
+    monkeypatch.setattr(blas, "TILE_BYTES", 64 * COLS * 4)
     x = np.random.default_rng(3).standard_normal((ggml.FUSED_MAX_T + 5, COLS)).astype(np.float32)
     close_to_f64(GGMLMatrix(raw, "Q4_K", (200, COLS)).matmul(x), x, w)
 

@@ -7,7 +7,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import gemmalite.weights.matrix as matrix  # noqa: E402
 import gemmalite.weights.quant as quant  # noqa: E402
 from gemmalite.formats.converted import QUANT_METHOD, assemble  # noqa: E402
-from gemmalite.kernels import common  # noqa: E402
+from gemmalite.kernels import blas, common  # noqa: E402
 from gemmalite.kernels.simd import TILE_BLOCK, U8_BLOCK  # noqa: E402
 from gemmalite.weights.quant import Int4Matrix, Int8Matrix  # noqa: E402
 
@@ -120,7 +120,7 @@ def test_int8_blocked_quantize_and_large_prefill(monkeypatch):
     import gemmalite.weights.quant as quant
 
     monkeypatch.setattr(quant, "QUANT_BLOCK", 64)  # several row blocks, ragged last
-    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 96)
+    monkeypatch.setattr(blas, "TILE_BYTES", 4 * 64 * 96)  # tiles of 64 rows, ragged last
     w = _w(300, 96, seed=3).astype(ml_dtypes.bfloat16)
     m = Int8Matrix.quantize(w)
     ref = Int8Matrix.quantize(w.astype(np.float32))
@@ -289,7 +289,7 @@ def test_int4_prefill_blocks(monkeypatch):
     import gemmalite.weights.quant as quant
 
     monkeypatch.setattr(quant, "QUANT_BLOCK", 50)
-    monkeypatch.setattr(matrix, "_PREFILL_ELEMS", 64 * 128)
+    monkeypatch.setattr(blas, "TILE_BYTES", 4 * 64 * 128)
     w = _w(333, 128, seed=5).astype(ml_dtypes.bfloat16)
     m = Int4Matrix.quantize(w)
     _check_int4_bound(m, w)
