@@ -65,7 +65,7 @@ def test_logits_in_threads(model):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
 def test_the_thread_count_changes_no_number(folder, gl, quant):
     """A prompt past SHORT_ROWS (float32 products through BLAS, whose own sums depend on its
     thread count) gives the same logits on 1 and 2 compute threads, bit for bit."""

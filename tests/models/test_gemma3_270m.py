@@ -241,3 +241,13 @@ def test_int8_prefill_is_opt_in(model, tmp_path):
         gemmalite.load("gemma3-270m", gguf_prefill="fast")
     with pytest.raises(InputError, match="for .gguf files"):
         gemmalite.load(tmp_path, gguf_prefill="int8")
+
+
+def test_the_thread_count_changes_no_number():
+    """A prompt past FUSED_MAX_T takes the K-quant rows through BLAS tiles (`kernels.blas`), and
+    the LM head of every row too: the same logits on 1 and 2 compute threads, bit for bit."""
+    import gemmalite
+
+    ids = np.random.RandomState(5).randint(1000, 20000, size=100)
+    one = gemmalite.load("gemma3-270m", context=256, threads=1).logits(ids)
+    np.testing.assert_array_equal(gemmalite.load("gemma3-270m", context=256, threads=2).logits(ids), one)
