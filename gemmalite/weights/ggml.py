@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import blas, common
+from ..kernels import common
 from ..kernels.ggml import (FLOAT_TYPES, KERNELS, KQ_KINDS, LANE_OFFSET, W, block_info, block_mm_lanes, row_bytes,
                             type_name)
 from ..kernels.int4s import LANE_GROUP, round_i8_lanes
-from .matrix import BF16, Matrix, Prepared, _scratch_buffer, as_matrix
+from .matrix import BF16, Matrix, Prepared, as_matrix
 from .operands import GGML_OPS, BlockOp, KQuantOp, run_product
 from .quant import _token_chunks
 
@@ -153,7 +153,7 @@ class GGMLMatrix(Matrix):
             big = self.shape[0] * self.shape[1] * max(1, n_t // 4) >= PARALLEL_MIN
             (self._k.matvec if big else self._k.matvec_serial)(self.raw, x2, out, W)
         else:
-            out = self._blas(x2)
+            out = self._matmul_blocked(x2)
         return out[0] if squeeze else out
 
     def _make_operand(self) -> Any:
@@ -203,17 +203,10 @@ class GGMLMatrix(Matrix):
             block_mm_lanes(self.raw, kind, xs, xc, xd, t0, t1, out)
         return out
 
-    def _blas(self, x: np.ndarray) -> np.ndarray:
-        """Prompts of the other block types: tiles of rows decoded to float32 (serial nogil gather
-        into the thread's scratch), then BLAS (`kernels.blas.products`)."""
-        cols = self.shape[1]
-
-        def tile(r0: int, r1: int) -> np.ndarray:
-            blk = _scratch_buffer((r1 - r0) * cols).reshape(-1, cols)
-            self._k.gather(self.raw, np.arange(r0, r1), blk, W)
-            return blk
-
-        return blas.products(x, self.shape[0], tile)
+    def _dequant_range(self, r0: int, out: np.ndarray) -> None:
+        """Rows ``r0 ..`` decoded (serial, nogil) for the BLAS tiles of other block types' prompts
+        (`Matrix._matmul_blocked`)."""
+        self._k.gather(self.raw, np.arange(r0, r0 + out.shape[0]), out, W)
 
 
 def dequantize(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> np.ndarray:
