@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import common
+
 TILE_BYTES = 1 << 20  # float32 weight bytes per tile, at most
 TILE_GROUP = 4  # tiles per product: a multiple of this
 
@@ -33,17 +35,10 @@ def pool() -> tuple[ThreadPoolExecutor, Any]:
     return _POOL
 
 
-def threads() -> int:
-    """The compute threads of the calling step (`runtime.threads.compute` sets numba's count)."""
-    import numba
-
-    return numba.get_num_threads()
-
-
 def run_single_threaded(tasks: list[Callable[[], None]]) -> None:
     """Run ``tasks`` on the compute threads, BLAS on one thread inside each; the tasks' results
     must not depend on which thread runs them."""
-    n = min(len(tasks), threads())
+    n = min(len(tasks), common.compute_threads())
     executor, ctl = pool()
     with ctl.limit(limits=1, user_api="blas"):
         if n <= 1:

@@ -116,7 +116,7 @@ def attention(
         out = np.empty((T, nq * D), dtype=np.float32)
         attention_decode(np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(q_pos, dtype=np.int64),
                          np.ascontiguousarray(k_pos, dtype=np.int64), window or 0, np.float32(scale), out, causal,
-                         blas.threads())
+                         common.compute_threads())
         return out
     if blas_free:
         return attention_numba(q, k, v, q_pos, k_pos, window, scale, causal)
@@ -156,6 +156,6 @@ def _attention_blas(q, k, v, q_pos, k_pos, window, scale, causal) -> np.ndarray:
                 softmax_rows_serial(scores, np.float32(scale))
                 heads_out[t0 : t0 + tb, h] = (scores @ vt[h]).reshape(tb, g, D)
 
-    n = min(kv, blas.threads())  # a head's numbers do not depend on which heads share its thread
+    n = min(kv, common.compute_threads())  # a head's numbers do not depend on which heads share its thread
     blas.run_single_threaded([lambda i=i: heads(range(i, kv, n)) for i in range(n)])
     return out

@@ -211,11 +211,12 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
 
     Per group and (row, token): exact int32 sums of weight * int16 activation with ``vpmaddwd``,
     converted once to float32 and scaled by the token's ``xd[t, g]`` (int4 and GGML blocks: times
-    the group's float16 weight scale) into eight float32 lanes (one FMA), summed at the end. A group's
-    weights are loaded and widened to int16 once for the ``ntok`` tokens, and each token's
-    activations once for the ``nrows`` rows: a batch of sequences costs little more compute
-    than one. The float work of every (row, token) is the same sequence whatever the tile
-    (integer sums are exact in any order), so each output is bit for bit its 1 x 1 result.
+    the group's float16 weight scale, both over eight lanes) into eight float32 lanes (one FMA),
+    summed at the end. A group's weights are loaded and widened to int16 once for the ``ntok``
+    tokens, and each token's activations once for the ``nrows`` rows: a batch of sequences costs
+    little more compute than one. The float work of every (row, token) is the same sequence
+    whatever the tile (integer sums are exact in any order), so each output is bit for bit its
+    1 x 1 result.
     ``fmt`` "int4" (arguments ``(packed, scales, xq, xd, r0, t0, out)``), "int8" (``(q, xq, xd,
     r0, t0, out)``), or GGML rows of raw blocks of 32 values (``(raw, xq, xd, r0, t0, out)``):
     "q8_0" (float16 scale, 32 int8) or "q5_0" (float16 scale, 32 high bits, 16 bytes of low
@@ -267,12 +268,12 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                                   _vec(_I8, 16))
                     w = builder.zext(b, _vec(_I16, 16))
                     ws += [(builder.and_(w, i16(15)), c), (builder.lshr(w, i16(4)), c + group // 32)]
-                scale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)))
+                scale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)), 8)
             elif fmt == "int8":
                 ws = int8_chunks(wrow[i], xbase)
             else:  # GGML block: float16 scale first
                 blk = builder.gep(wrow[i], [builder.mul(g, _c64(GGML_BLOCK[fmt]))], inbounds=True)
-                scale = half_to_f32_ir(builder, builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1))
+                scale = half_to_f32_ir(builder, builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1), 8)
                 if fmt == "q8_0":
                     ws = int8_chunks(blk, _c64(2))
                 else:
@@ -284,9 +285,9 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 for w, c in ws:
                     s = builder.call(pmadd, [w, xs[j][c]])
                     isum = s if isum is None else builder.add(isum, s)
-                d = xdg[j] if scale is None else builder.fmul(scale, xdg[j], flags=_EXACT)
-                accs[i, j].add_incoming(
-                    _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, d, 8), accs[i, j]), body)
+                d = _splat(builder, xdg[j], 8)
+                d = d if scale is None else builder.fmul(scale, d, flags=_EXACT)
+                accs[i, j].add_incoming(_fma(builder, builder.sitofp(isum, _vec(_F32, 8)), d, accs[i, j]), body)
         g.add_incoming(builder.add(g, _c64(1)), body)
         builder.branch(head)
 

@@ -135,6 +135,13 @@ class Matrix:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def _check(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as C-contiguous float32 ``[T, cols]``; a ValueError naming both shapes otherwise."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"x must be [T, {self.shape[1]}], got {x.shape}")
+        return x
+
     def prepare(self, x: np.ndarray) -> np.ndarray | Prepared:
         """``x`` in the form this format's products take, for several matrices of the same input
         width and format (`matmul_all`); formats without a conversion return ``x``."""
@@ -227,8 +234,8 @@ class F32Matrix(Matrix):
         return table_rows(self.w, ids)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim == 2 and x.shape[0] <= common.SHORT_ROWS and x.shape[1] == self.shape[1]:
+        x = self._check(x)
+        if x.shape[0] <= common.SHORT_ROWS:
             if x.shape[0] <= common.FEW_ROWS:
                 return run_product(self.operand(), x)
             out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
@@ -241,7 +248,7 @@ class F32Matrix(Matrix):
 
     def matmul_alike(self, x: np.ndarray) -> np.ndarray:
         """The numba tiles for any row count (each row summed on its own, never BLAS)."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._check(x)
         out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
         if x.shape[0]:
             matmul_tiles(x, self.w, out)
@@ -280,12 +287,6 @@ class HalfMatrix(Matrix):
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return table_rows(self.w, ids).astype(np.float32)
-
-    def _check(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.shape[1]:
-            raise ValueError(f"x must be [T, {self.shape[1]}], got {x.shape}")
-        return x
 
     def _dot(self, t: int) -> bool:
         """Does a product of ``t`` rows take bfloat16 activations (`common.BF16_DOT`)?"""

@@ -182,13 +182,6 @@ def _round_w4a8_lanes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return xs, xc, xd
 
 
-def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != cols:
-        raise ValueError(f"x must be [T, {cols}], got {x.shape}")
-    return x
-
-
 class _Quantized(Matrix):
     def _dequant_ids(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ``ids`` (in range) in float32 into ``out``."""
@@ -259,7 +252,7 @@ class Int8Matrix(_Quantized):
         i8_dequant_range(self.q, self.scale, r0, out)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        x = _check_x(x, self.shape[1])
+        x = self._check(x)
         t = x.shape[0]
         if t > common.FEW_ROWS:
             if self.uses_blas:
@@ -281,7 +274,7 @@ class Int8Matrix(_Quantized):
         1 - cos to float 7.25e-4 with int8 weights, 7.24e-4 with int16 activations per 256 added,
         1.16e-3 with int8 ones (``scripts/activation_rounding_error.py --pooled``): only the int16
         rounding stays within the int8 weights' own error."""
-        x = _check_x(x, self.shape[1])
+        x = self._check(x)
         if self.uses_blas:
             return self.matmul_each(x)
         return self._matmul_w8a16(x)
@@ -289,7 +282,7 @@ class Int8Matrix(_Quantized):
     def prepare_alike(self, x: np.ndarray) -> "np.ndarray | Prepared":
         """`matmul_alike`'s input rounded once (on VNNI: the int16 byte planes) for every matrix it
         multiplies."""
-        x = _check_x(x, self.shape[1])
+        x = self._check(x)
         if self.uses_blas or not self._planes():
             return x
         return Prepared(x, "int16-planes", _round_planes(x))
@@ -323,7 +316,7 @@ class Int8Matrix(_Quantized):
     def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
         """Prefill input: rounded once (int8 on VNNI, else int16) for every matrix it multiplies
         (q/k/v, gate/up)."""
-        x = _check_x(x, self.shape[1])
+        x = self._check(x)
         if x.shape[0] <= common.FEW_ROWS or self.uses_blas:
             return x
         if common.HAVE_VNNI:
@@ -505,7 +498,7 @@ class Int4Matrix(_Quantized):
         return rows > (INT4_SHORT_ROWS if common.HAVE_AVX2 else common.FEW_ROWS)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        x = _check_x(x, self.shape[1])
+        x = self._check(x)
         t = x.shape[0]
         if t > common.FEW_ROWS and self._tiles:
             return self._matmul_w4a8(x)
@@ -526,7 +519,7 @@ class Int4Matrix(_Quantized):
 
     def prepare(self, x: np.ndarray) -> "np.ndarray | Prepared":
         """Prefill input: rounded once for every matrix it multiplies (q/k/v, gate/up)."""
-        x = _check_x(x, self.shape[1])
+        x = self._check(x)
         if x.shape[0] <= common.FEW_ROWS or not self._tiles:
             return x
         if self._lanes:

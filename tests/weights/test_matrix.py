@@ -52,9 +52,18 @@ def test_half_matrix_keeps_the_mapped_array(tmp_path):
     np.testing.assert_allclose(m.matmul(np.ones((1, 32), np.float32))[0], w.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
 
 
-def test_half_matmul_rejects_wrong_width():
-    with pytest.raises(ValueError):
-        HalfMatrix(_half(8, 16, np.float16)).matmul(np.ones((1, 15), np.float32))
+@pytest.mark.parametrize("shape", [(1, 15), (common.SHORT_ROWS + 1, 15), (16,), (common.SHORT_ROWS + 1, 1, 16)])
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_matmul_rejects_other_shapes_by_name(kind, shape):
+    """Anything but ``[T, cols]``, on every path (decode rows, short, BLAS tiles), is refused
+    with both shapes named (a 1-D row past SHORT_ROWS once reached the BLAS tiles' unpacking)."""
+    w = _half(8, 16, np.float16)
+    m = HalfMatrix(w) if kind == "f16" else F32Matrix(w.astype(np.float32))
+    with pytest.raises(ValueError, match=r"x must be \[T, 16\], got"):
+        m.matmul(np.ones(shape, np.float32))
+    if kind == "f32":
+        with pytest.raises(ValueError, match=r"x must be \[T, 16\], got"):
+            m.matmul_alike(np.ones(shape, np.float32))
 
 
 def test_bf16_projections_stay_half(tmp_path, gl):
