@@ -1,6 +1,7 @@
 """Shared fixtures: the engine module and small helpers for the transformers-parity tests."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -20,11 +21,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import hf_oracle`
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# numba's on-disk cache keys a kernel on its own file only: a change in a module it inlines
-# (simd.py's IR generators) would be hidden behind a stale cached kernel. Tests compile afresh.
-os.environ.setdefault("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="gemmalite-numba-"))
-# gemmalite's other caches (tokenizers built from GGUF files, the bundled vocabulary): fresh too,
-# so the tests run the build paths and never write into the user's cache folder.
+
+
+def _numba_cache() -> str:
+    """The tests' compiled kernels: in gemmalite's own keyed folder (`settings.numba_cache_dir`:
+    its version, a digest of every kernel source, numba's version, the CPU; numba alone would load
+    a kernel compiled against an older simd.py), so an edited kernel compiles afresh and a second
+    run loads what the first compiled; under a root of the tests' own ($GEMMALITE_TEST_CACHE, else
+    ~/.cache/gemmalite-tests), never the user's cache folder. settings.py is read on its own: the
+    package's import would set NUMBA_CACHE_DIR to the user's folder first."""
+    package = Path(importlib.util.find_spec("gemmalite").origin).parent  # the gemmalite the tests import
+    spec = importlib.util.spec_from_file_location("_gemmalite_settings", package / "settings.py")
+    settings_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(settings_module)
+    root = Path(os.environ.get("GEMMALITE_TEST_CACHE") or Path.home() / ".cache" / "gemmalite-tests")
+    return str(settings_module._writable_dir(root / "numba" / settings_module.numba_cache_dir().name))
+
+
+os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache())
+# gemmalite's other caches (tokenizers built from GGUF files, the bundled vocabulary): fresh in
+# every run, so the tests run the build paths and never write into the user's cache folder.
 os.environ.setdefault("GEMMALITE_CACHE_DIR", tempfile.mkdtemp(prefix="gemmalite-cache-"))
 
 
