@@ -412,9 +412,9 @@ def _kquant_codegen(kind: int, ntok: int):
         def byte(off):
             return builder.zext(builder.load(builder.gep(blk, [_c64(off)], inbounds=True)), _I32)
 
-        def half(off):
+        def half(off, lanes=0):
             p = builder.bitcast(builder.gep(blk, [_c64(off)], inbounds=True), _I16.as_pointer())
-            return half_to_f32_ir(builder, builder.load(p, align=1))
+            return half_to_f32_ir(builder, builder.load(p, align=1), lanes)
 
         def quants(off):
             return builder.zext(_load_vec(builder, blk, _c64(off), _vec(_I8, 16)), v16)
@@ -432,14 +432,14 @@ def _kquant_codegen(kind: int, ntok: int):
                     s = builder.call(pmadd, [q, xv])
                     isum = s if isum is None else builder.add(isum, s)
                 xd = builder.load(builder.gep(drow[t], [g], inbounds=True))
-                f = builder.fmul(scale, xd, flags=_EXACT)
-                new_accs[t] = _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), _splat(builder, f, 8), new_accs[t])
+                f = builder.fmul(scale, _splat(builder, xd, 8), flags=_EXACT)
+                new_accs[t] = _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), f, new_accs[t])
                 if dmin is not None:
                     xs = builder.sitofp(builder.load(builder.gep(srow[t], [g], inbounds=True)), _F32)
                     new_mins[t] = _fma1(builder, builder.fmul(dmin, xd, flags=_EXACT), xs, new_mins[t])
 
         if kind in (4, 5):
-            d, dmin = half(0), half(2)
+            d, dmin = half(0, 8), half(2)  # d over eight lanes (`half_to_f32_ir`: no false dependency)
             s = [byte(4 + i) for i in range(12)]
             c63, c15 = ir.Constant(_I32, 63), ir.Constant(_I32, 15)
             qs = 48 if kind == 5 else 16
@@ -453,7 +453,7 @@ def _kquant_codegen(kind: int, ntok: int):
                         top = ir.Constant(_I32, 6)
                         sc = builder.or_(builder.and_(s[j + 4], c15), builder.shl(builder.lshr(s[j - 4], top), ir.Constant(_I32, 4)))
                         mn = builder.or_(builder.lshr(s[j + 4], ir.Constant(_I32, 4)), builder.shl(builder.lshr(s[j], top), ir.Constant(_I32, 4)))
-                    scales.append((builder.fmul(d, builder.uitofp(sc, _F32), flags=_EXACT),
+                    scales.append((builder.fmul(d, _splat(builder, builder.uitofp(sc, _F32), 8), flags=_EXACT),
                                    builder.fmul(dmin, builder.uitofp(mn, _F32), flags=_EXACT)))
                 lo, hi = [], []
                 for h in range(2):
@@ -468,7 +468,7 @@ def _kquant_codegen(kind: int, ntok: int):
                 add(2 * c, lo, *scales[0])
                 add(2 * c + 1, hi, *scales[1])
         else:  # Q6_K
-            d = half(208)
+            d = half(208, 8)
             for h in range(2):
                 for k in range(2):
                     a, bq, cq = quants(64 * h + 16 * k), quants(64 * h + 32 + 16 * k), quants(128 + 32 * h + 16 * k)
@@ -478,7 +478,8 @@ def _kquant_codegen(kind: int, ntok: int):
                           builder.or_(builder.lshr(bq, i16(4)), builder.shl(builder.lshr(cq, i16(6)), i16(4)))]
                     for i in range(4):
                         sc = builder.sext(builder.load(builder.gep(blk, [_c64(192 + 8 * h + 2 * i + k)], inbounds=True)), _I32)
-                        add(4 * h + i, [(builder.sub(qv[i], i16(32)), 16 * k)], builder.fmul(d, builder.sitofp(sc, _F32), flags=_EXACT))
+                        add(4 * h + i, [(builder.sub(qv[i], i16(32)), 16 * k)],
+                            builder.fmul(d, _splat(builder, builder.sitofp(sc, _F32), 8), flags=_EXACT))
         for t in range(ntok):
             accs[t].add_incoming(new_accs[t], body)
             mins[t].add_incoming(new_mins[t], body)
