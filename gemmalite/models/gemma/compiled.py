@@ -272,14 +272,17 @@ class CompiledLayers:
     features `kernels.common` reports change: tests force the portable paths) and the step's
     per-sequence ring views. After a layer's first step, its compiled specialisation's entry point
     is called directly: numba's dispatch, which types every argument anew, took 30-80 us a call
-    (the arguments' types stay the same: the layer's values, and arrays this module makes)."""
+    (the arguments' types stay the same: the layer's values, and arrays this module makes). The
+    rings are always padded to GROUPS_MAX sequences: one specialisation per weight format whatever
+    the batch (unboxing the empty rings costs ~1 us a layer; a second specialisation took as long to
+    compile as the first, 10-40 s)."""
 
     def __init__(self, cfg: ModelConfig, layers: list) -> None:
         self.cfg = cfg
         self.layers = layers
         self._ops: tuple[Any, list[LayerOps] | None] = (None, None)
         self._consts: list[LayerConsts] | None = None
-        self._entries: dict[tuple[int, int], Any] = {}
+        self._entries: dict[int, Any] = {}
 
     def ops(self) -> list[LayerOps] | None:
         """Every layer's `LayerOps`, or None where a matrix has no operand (that graph keeps the
@@ -318,18 +321,17 @@ class CompiledLayers:
         ple3 = ple if ple is not None else np.zeros((h.shape[0], 0, 0), np.float32)
         views: dict[int, tuple] = {}
         threads = get_num_threads()
-        pad = 1 if len(states) == 1 else GROUPS_MAX
         h = h if h.flags.writeable else h.copy()
         for spec, w, c in zip(self.cfg.layers, ops, self.consts()):
             src = spec.kv_source
             if src not in views:
-                views[src] = _ring_views(states, counts, src, pad)
+                views[src] = _ring_views(states, counts, src)
             cos, sin = ropes[spec.rope]
             args = (h, w, c, ple3, cos, sin, pos, bounds, starts, views[src], threads)
-            entry = self._entries.get((spec.index, pad))
+            entry = self._entries.get(spec.index)
             if entry is None:  # the first step: numba's dispatch (and compile), then its entry point
                 h = decode_layer(*args)
-                self._entries[spec.index, pad] = decode_layer.overloads[tuple(typeof(v) for v in args)].entry_point
+                self._entries[spec.index] = decode_layer.overloads[tuple(typeof(v) for v in args)].entry_point
             else:
                 h = entry(*args)
         for s, n in zip(states, counts):
@@ -338,16 +340,16 @@ class CompiledLayers:
         return h
 
 
-def _ring_views(states: list[KVState], counts: list[int], layer: int, pad: int) -> tuple:
+def _ring_views(states: list[KVState], counts: list[int], layer: int) -> tuple:
     """Each sequence's (K, V, positions) of ``layer``'s ring as far as the step will fill it, padded
-    with empty rings to ``pad`` entries (1 or GROUPS_MAX: two compiled specialisations for every
-    batch size)."""
+    with empty rings to GROUPS_MAX entries (one tuple type, so one compiled specialisation, for
+    every batch size)."""
     out = []
     for s, n in zip(states, counts):
         r = s.rings[layer]
         m = min(r.length + n, r.capacity)
         out.append((r.k[:m], r.v[:m], r.pos[:m]))
-    return tuple(out) + (_NO_RING,) * (pad - len(out))
+    return tuple(out) + (_NO_RING,) * (GROUPS_MAX - len(out))
 
 
 def _layer_ops(layers: list) -> list[LayerOps] | None:
