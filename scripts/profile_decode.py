@@ -10,8 +10,8 @@ continuous batching runs): the products then read each weight once for B rows.
     python scripts/profile_decode.py MODEL [--tokens 20] [--prompt 16] [--batch 1]
 
 ``--kernels`` instead splits a one-sequence step into the time inside compiled code (cProfile's
-own time of every numba dispatcher of gemmalite: the kernels, the operands' products, the compiled
-decode step's layers) and the rest (Python, numpy, dispatch). The rest is the unprofiled median
+own time of every numba dispatcher of gemmalite, the kernels and the operands' products, and of
+the compiled entry points called directly, the compiled decode step's layers) and the rest (Python, numpy, dispatch). The rest is the unprofiled median
 step minus the profiled compiled time, so cProfile's own overhead does not inflate it.
 ``--uncompiled`` runs the uncompiled decode step (Python driving each layer's kernels) instead of
 the compiled one (`models.gemma.compiled`), for an A/B on one machine.
@@ -69,9 +69,11 @@ def main() -> None:
                     s[2] = nbytes
         return call
 
-    # q/k/v, gate/up: one region where the format fuses them
-    graph.matmul_each_all = timed(graph.matmul_each_all, lambda mats: (
+    # q/k/v, gate/up: one region where the format fuses them (the graph calls it, and so does
+    # matrix.matmul_all for a one-row step)
+    fused = timed(matrix.matmul_each_all, lambda mats: (
         ("+".join(type(w).__name__ for w in mats), tuple(w.shape for w in mats)), sum(w.nbytes for w in mats)))
+    graph.matmul_each_all = matrix.matmul_each_all = fused
     for cls in (quant.Int8Matrix, quant.Int4Matrix, matrix.F32Matrix, matrix.HalfMatrix, ggml.GGMLMatrix):
         for meth in ("matmul", "matmul_each"):
             if meth in cls.__dict__:
@@ -102,32 +104,41 @@ def main() -> None:
 
 
 def kernel_share(engine, ids: list[int], n: int) -> None:
-    """Median one-sequence step, and the part of it spent inside numba kernels."""
+    """Median one-sequence step, and the part of it spent inside numba kernels: plain steps and
+    profiled steps alternate (the machine's drift then moves both), each profiled step on its own."""
     state = engine.new_state()
     tok = int(np.argmax(engine.logits(engine.prefill(state, np.asarray(ids)))[0]))
-    times = []
+    times, insides, kernel_calls, calls = [], [], 0, 0
     for _ in range(n):
         t = time.perf_counter()
         tok = int(np.argmax(engine.decode_step(state, tok)))
         times.append(time.perf_counter() - t)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
+        prof = cProfile.Profile()
+        prof.enable()
         tok = int(np.argmax(engine.decode_step(state, tok)))
-    prof.disable()
-    inside, kernel_calls, calls = 0.0, 0, 0
-    for (path, _line, name), (_cc, nc, own, _cum, _callers) in pstats.Stats(prof).stats.items():
-        calls += nc
-        if "/gemmalite/" in path and path.endswith(".py"):
-            module = importlib.import_module("gemmalite." + path.rsplit("/gemmalite/", 1)[1][:-3].replace("/", "."))
-            if hasattr(getattr(module, name, None), "py_func"):  # a numba dispatcher
+        prof.disable()
+        inside = 0.0
+        for (path, _line, name), (_cc, nc, own, _cum, _callers) in pstats.Stats(prof).stats.items():
+            calls += nc
+            if _compiled(path, name):
                 inside += own
                 kernel_calls += nc
-    step, inside = float(np.median(times)), inside / n
+        insides.append(inside)
+    step, inside = float(np.median(times)), float(np.median(insides))
     print(f"decode step {step * 1e3:.2f} ms median (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
           f"inside compiled code {inside * 1e3:.2f} ms in {kernel_calls / n:.0f} calls; Python calls/step "
           f"{calls / n:.0f}; outside kernels {(step - inside) * 1e3:.2f} ms = {100 * (step - inside) / step:.1f} % of the step")
 
+
+def _compiled(path: str, name: str) -> bool:
+    """Is this cProfile entry compiled code of gemmalite: a numba dispatcher, or an entry point
+    called directly (the compiled decode step's layers, `compiled.CompiledLayers.run`)?"""
+    if path == "~":
+        return name.startswith("<built-in method gemmalite.")
+    if "/gemmalite/" not in path or not path.endswith(".py"):
+        return False
+    module = importlib.import_module("gemmalite." + path.rsplit("/gemmalite/", 1)[1][:-3].replace("/", "."))
+    return hasattr(getattr(module, name, None), "py_func")
 
 if __name__ == "__main__":
     main()
