@@ -145,6 +145,15 @@ def bits_to_f32(typingctx, i):
     return sig, codegen
 
 
+def prefetch_ir(builder: ir.IRBuilder, ptr: ir.Value) -> None:
+    """``llvm.prefetch`` of the cache line at ``ptr`` (read, keep in all levels): no effect on
+    results, and none on a line past the array's end (a hint never faults)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 @intrinsic
 def prefetch(typingctx, arr, index):
     """Hint the CPU to bring ``arr.flat[index]``'s cache line in (``llvm.prefetch``: read, keep
@@ -154,11 +163,7 @@ def prefetch(typingctx, arr, index):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        prefetch_ir(builder, builder.gep(data, [args[1]]))
         return context.get_dummy_value()
 
     return sig, codegen

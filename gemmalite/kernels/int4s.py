@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import common
-from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, prefetch
+from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, prefetch, prefetch_ir
 from .fdot import _loop
 from .simd import (
     _EXACT,
@@ -221,8 +221,6 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
     def codegen(builder, wa, sa, xqa, xca, xda, r0, t0, oa):
         ng = sa.shape[1]
         dot = _dot_u8s8(builder, vnni)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
         rows, toks = _span(builder, r0, nrows), _span(builder, t0, ntok)
         wrow, srow = wa.rows(builder, rows), sa.rows(builder, rows)
         xrow, crow, drow = xqa.rows(builder, toks), xca.rows(builder, toks), xda.rows(builder, toks, xca.shape[1])
@@ -290,8 +288,7 @@ def _int4s_codegen(nrows: int, ntok: int, vnni: bool):
         def unrolled(p, accs):
             if PREFETCH:  # the weights PREFETCH bytes ahead (on into the next rows): one line per iteration
                 for w in wrow:
-                    ptr = builder.gep(w, [builder.add(builder.mul(p, _c64(32)), _c64(PREFETCH))])
-                    builder.call(prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                    prefetch_ir(builder, builder.gep(w, [builder.add(builder.mul(p, _c64(32)), _c64(PREFETCH))]))
             out = dict(accs)
             for u in range(UNROLL):
                 sub = {(i, j): accs[i, j, u] for i in range(nrows) for j in range(ntok)}

@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .common import FAST, half_to_f32_ir
+from .common import FAST, half_to_f32_ir, prefetch_ir
 
 __all__ = ["int16_activation_rows", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
            "u8_tile_dot", "u8_lane_corr", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
@@ -203,6 +203,10 @@ def _open_loop(builder, name: str):
 
 
 GGML_BLOCK = {"q8_0": 34, "q5_0": 22}  # bytes per 32 values: f16 scale, [4 bytes high bits], values
+# bytes ahead the row kernel prefetches weights (on into the next rows of the thread's range: the
+# hardware prefetcher stops at each 4 KiB page). Measured on a Q8_0 matrix of Gemma 3 270M's LM head
+# shape (262,144 x 640) on two AVX2 threads: 19.1 GB/s without, 20.7 / 22.5 / 23.1 / 22.8 at 1 / 2 / 4 / 8 KiB
+ROWS_PREFETCH = 4096
 
 
 def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
@@ -253,6 +257,10 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
         xs = [[_load_vec(builder, x, builder.add(xbase, _c64(16 * c)), _vec(_I16, 16)) for c in range(group // 16)]
               for x in xrow]
         xdg = [builder.load(builder.gep(d, [g], inbounds=True)) for d in drow]
+        if ROWS_PREFETCH:  # one hint per group and row (a cache line holds 2-4 groups: cheap, and no branch)
+            step = group // 2 if int4 else GGML_BLOCK.get(fmt, group)
+            for w in wrow:
+                prefetch_ir(builder, builder.gep(w, [builder.add(builder.mul(g, _c64(step)), _c64(ROWS_PREFETCH))]))
 
         def int8_chunks(ptr, start):
             """The group's int8 weights from ``ptr[start:]``, widened: (int16 x 16, x chunk) pairs."""
