@@ -46,6 +46,10 @@ def load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-prefill", choices=["float", "int8"], default="float",
                    help="a .gguf's prompts on Q4_0 / Q5_0 / Q8_0 weights: float32 math (default), or activations "
                         "rounded to int8 per 32 values as llama.cpp does (VNNI CPUs: faster, logits ~0.5 off)")
+    p.add_argument("--gguf-q5-0", dest="gguf_q5_0", choices=["auto", "int8", "blocks"], default="auto",
+                   help="a .gguf's Q5_0 projections: expanded at load to Q8_0 blocks of the same values (int8: the "
+                        "same logits, faster decode, 34 bytes a block instead of 22), kept (blocks), or expanded "
+                        "when that takes at most 256 MiB (auto, the default)")
     backend_args(p)
     threads_arg(p)
 
@@ -71,7 +75,8 @@ def load_model(a: argparse.Namespace):
     import gemmalite
 
     return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads, drafter=getattr(a, "drafter", None),
-                          gguf_prefill=getattr(a, "gguf_prefill", "float"), **_backend_kwargs(a))
+                          gguf_prefill=getattr(a, "gguf_prefill", "float"), gguf_q5_0=getattr(a, "gguf_q5_0", "auto"),
+                          **_backend_kwargs(a))
 
 
 def _backend_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -361,6 +361,25 @@ def block_mvn_w8a16(raw, xq, xd, q5, out):  # pragma: no cover - compiled
         block_w8a16_task(raw, xq, xd, q5, r, out)
 
 
+@njit(parallel=True, **EXACT)
+def q5_0_to_q8_0(raw, out):  # pragma: no cover - compiled
+    """Q5_0 rows ``raw [rows, n * 22]`` as Q8_0 rows ``out [rows, n * 34]`` (uint8 both): each block's
+    float16 scale copied, value j = ``nibble | high bit j << 4`` minus 16 as an int8. Exact."""
+    for r in prange(raw.shape[0]):
+        for b in range(raw.shape[1] // 22):
+            i, o = 22 * b, 34 * b
+            out[r, o] = raw[r, i]
+            out[r, o + 1] = raw[r, i + 1]
+            qh = (np.uint32(raw[r, i + 2]) | (np.uint32(raw[r, i + 3]) << 8) | (np.uint32(raw[r, i + 4]) << 16)
+                  | (np.uint32(raw[r, i + 5]) << 24))
+            for j in range(16):
+                q = raw[r, i + 6 + j]
+                lo = np.int32(q & 15) | np.int32(((qh >> j) & 1) << 4)
+                hi = np.int32(q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                out[r, o + 2 + j] = np.uint8((lo - 16) & 255)
+                out[r, o + 18 + j] = np.uint8((hi - 16) & 255)
+
+
 # ---------------------------------------------------------------------------------------------
 # K-quant blocks against int16 activations (W8A16), as the Q8_0 / Q5_0 decode kernel above.
 # ---------------------------------------------------------------------------------------------

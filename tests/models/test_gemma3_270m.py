@@ -251,3 +251,31 @@ def test_the_thread_count_changes_no_number():
     ids = np.random.RandomState(5).randint(1000, 20000, size=100)
     one = gemmalite.load("gemma3-270m", context=256, threads=1).logits(ids)
     np.testing.assert_array_equal(gemmalite.load("gemma3-270m", context=256, threads=2).logits(ids), one)
+
+
+def test_q5_0_projections_expand_to_the_same_logits(model, tmp_path):
+    """``gguf_q5_0``: the default ("auto": the 270M's Q5_0 projections take 66 MB as Q8_0, under
+    Q5_0_AUTO_MAX) expands them to Q8_0 blocks, "blocks" keeps the file's; the logits of a prompt
+    past FUSED_MAX_T (BLAS slabs), of a short one (fused rows) and of decode steps are the same bit
+    for bit either way; the embedding stays as stored; a bad value or a folder says so."""
+    import gemmalite
+    from gemmalite.errors import InputError
+
+    kept = gemmalite.load("gemma3-270m", context=256, gguf_q5_0="blocks")
+    assert {w.qtype for layer in kept.engine.graph.layers for w in (layer.q, layer.k, layer.gate, layer.up)} == {"Q5_0"}
+    assert {w.qtype for layer in model.engine.graph.layers for w in (layer.q, layer.k, layer.gate, layer.up)} == {"Q8_0"}
+    for m in (model, kept):
+        m.engine.graph.compiled_step = True
+    for n in (100, 5):
+        ids = np.random.RandomState(n).randint(1000, 20000, size=n)
+        np.testing.assert_array_equal(model.logits(ids), kept.logits(ids), err_msg=f"prompt of {n}")
+    states = [m.engine.new_state() for m in (model, kept)]
+    tok = [int(np.argmax(m.engine.logits(m.engine.prefill(s, np.arange(2, 40)))[-1])) for m, s in zip((model, kept), states)]
+    for _ in range(6):
+        a, b = (m.engine.decode_step(s, t) for m, s, t in zip((model, kept), states, tok))
+        np.testing.assert_array_equal(a, b)
+        tok = [int(np.argmax(a))] * 2
+    with pytest.raises(InputError, match="gguf_q5_0 must be one of"):
+        gemmalite.load("gemma3-270m", gguf_q5_0="q8")
+    with pytest.raises(InputError, match="for .gguf files"):
+        gemmalite.load(tmp_path, gguf_q5_0="int8")

@@ -190,3 +190,29 @@ def test_bad_inputs_raise_value_errors():
         m.matmul(np.zeros((2, COLS + 1), np.float32))
     with pytest.raises(IndexError):
         m.rows(np.array([ROWS]))
+
+
+@pytest.mark.parametrize("avx2", [True, False])
+def test_q5_0_as_q8_0_is_the_same_matrix(avx2, monkeypatch):
+    """`GGMLMatrix.as_q8_0` (`load(..., gguf_q5_0=...)`): Q8_0 blocks that gguf-py's reference
+    dequantizer reads as exactly the Q5_0 weights, whose every product is the Q5_0 matrix's bit for
+    bit: decode rows (with AVX2 one kernel for both, the values in the same lanes; without it the
+    fused float kernel on the same decoded rows), a few rows, and a prompt through BLAS slabs."""
+    if avx2 and not HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(common, "HAVE_AVX2", avx2)
+    raw = make_raw("Q5_0", rows=70, cols=COLS, seed=3)
+    src = raw.copy()
+    q5 = GGMLMatrix(raw, "Q5_0", (70, COLS))
+    q8 = q5.as_q8_0()
+    assert q8.qtype == "Q8_0" and q8.shape == q5.shape and q8.nbytes == q5.nbytes // 22 * 34
+    np.testing.assert_array_equal(reference(q8.raw, "Q8_0"), reference(raw, "Q5_0"))
+    np.testing.assert_array_equal(raw, src)  # the source untouched
+    rng = np.random.default_rng(4)
+    for t in (1, 3, common.FEW_ROWS + 1, ggml.FUSED_MAX_T + 36):
+        x = (rng.standard_normal((t, COLS)) * rng.uniform(0.1, 10, size=(t, 1))).astype(np.float32)
+        np.testing.assert_array_equal(q8.matmul(x), q5.matmul(x), err_msg=f"T={t}")
+        if t <= common.FEW_ROWS:
+            np.testing.assert_array_equal(q8.matmul_each(x), q5.matmul_each(x), err_msg=f"each, T={t}")
+    with pytest.raises(ValueError, match="takes a Q5_0 matrix"):
+        GGMLMatrix(make_raw("Q8_0"), "Q8_0", (ROWS, COLS)).as_q8_0()
