@@ -11,8 +11,9 @@ continuous batching runs): the products then read each weight once for B rows.
 
 ``--kernels`` instead splits a one-sequence step into the time inside compiled code (cProfile's
 own time of every numba dispatcher of gemmalite, the kernels and the operands' products, and of
-the compiled entry points called directly, the compiled decode step's layers) and the rest (Python, numpy, dispatch). The rest is the unprofiled median
-step minus the profiled compiled time, so cProfile's own overhead does not inflate it.
+the compiled entry points called directly, the compiled decode step's layers) and the rest
+(Python, numpy, dispatch): the median plain step minus the median profiled compiled time, plain
+and profiled steps alternating, so cProfile's own overhead does not inflate the rest.
 ``--uncompiled`` runs the uncompiled decode step (Python driving each layer's kernels) instead of
 the compiled one (`models.gemma.compiled`), for an A/B on one machine.
 """

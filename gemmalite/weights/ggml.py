@@ -105,10 +105,10 @@ class GGMLMatrix(Matrix):
 
     def as_q8_0(self) -> "GGMLMatrix":
         """This Q5_0 matrix as Q8_0 blocks of the same values (`kernels.ggml.q5_0_to_q8_0`: exact), in
-        memory of its own. With AVX2 both formats take one decode kernel, whose Q8_0 blocks stream from memory
-        where Q5_0's unpacking is compute-bound (the real Gemma 3 270M: a decode step -10 %), for
-        34 bytes a block instead of 22; every product is bit for bit the Q5_0 one's (the same
-        values in the same lanes; prompts decode both to the same float32 weights)."""
+        memory of its own (34 bytes a block of 32 instead of 22). With AVX2 both formats take one
+        decode kernel, whose Q8_0 blocks stream from memory where Q5_0's unpacking is compute-bound;
+        every product is bit for bit the Q5_0 one's (the same values in the same lanes; prompts
+        decode both to the same float32 weights)."""
         if self.qtype != "Q5_0":
             raise ValueError(f"as_q8_0 takes a Q5_0 matrix, not {self.qtype}")
         out = np.empty((self.shape[0], self.raw.shape[1] // 22 * 34), np.uint8)
