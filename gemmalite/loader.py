@@ -11,7 +11,7 @@ import numpy as np
 from .audio.prompt import folder_audio
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
 from .formats.folder import load_folder, read_config, read_json, read_tensors
-from .formats.gguf import is_gguf
+from .formats.gguf import is_gguf, release_pages
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .model import Model
@@ -64,7 +64,9 @@ def _expand_q5_0(tensors: dict, how: str) -> None:
     if how == "blocks" or (how == "auto" and sum(tensors[k].nbytes for k in q5) * 34 // 22 > Q5_0_AUTO_MAX):
         return
     for k in q5:
+        source = tensors[k].raw
         tensors[k] = tensors[k].as_q8_0()
+        release_pages(source)  # read once, never again: out of the resident set
 
 
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
