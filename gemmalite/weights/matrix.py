@@ -61,6 +61,15 @@ def table_rows(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return out
 
 
+def release_pages(a: np.ndarray) -> None:
+    """Drop this process's pages of the C-contiguous ``a`` where it is a read-only file mapping
+    that nothing reads again (a GGUF's Q5_0 tensor once the loader has expanded it): the resident
+    set shrinks, the data stay as they are (a later read maps them back from the file). Anything
+    else (a copy, no madvise) is left alone."""
+    if a.size and _read_only_mapping(a):
+        _drop_rows(a.reshape(1, -1), np.zeros(1, np.int64))  # one row: the whole array's pages
+
+
 def _read_only_mapping(a: np.ndarray) -> bool:
     b: Any = a
     while b is not None:

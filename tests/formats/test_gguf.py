@@ -3,9 +3,6 @@ llama.cpp -> Hugging Face names, norm offsets and the config derived from metada
 Gemma 4's mapping is checked against llama.cpp's converter in test_gguf_gemma.py)."""
 from __future__ import annotations
 
-import mmap
-import os
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -291,29 +288,3 @@ def test_real_gemma3_270m_file():
         want = quants.dequantize(np.array(raw), Q[qtype]).reshape(8, -1)
         np.testing.assert_array_equal(t.rows(np.arange(8)), want)
 
-
-def _rss_bytes() -> int:
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
-
-
-@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/status"),
-                    reason="needs madvise and /proc (Linux)")
-def test_release_pages_shrinks_the_resident_set_and_keeps_the_data(tmp_path):
-    """`release_pages` (the loader's, after expanding a Q5_0 tensor): this process's pages of a view
-    of a read-only np.memmap leave its resident set, whole pages inside the view only, and the data
-    read the same afterwards; a plain array is left alone."""
-    from gemmalite.formats.gguf import release_pages
-
-    path = tmp_path / "blob"
-    n = 48 << 20
-    np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tofile(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    view = data[12345:n - 6789].reshape(-1, 2)  # unaligned ends, a reshaped view as the loader's raw
-    total = int(view.sum(dtype=np.uint64))  # every page resident
-    before = _rss_bytes()
-    release_pages(view)
-    assert before - _rss_bytes() > (40 << 20)
-    assert int(view.sum(dtype=np.uint64)) == total
-    plain = np.arange(10, dtype=np.uint8)
-    release_pages(plain)
-    np.testing.assert_array_equal(plain, np.arange(10, dtype=np.uint8))

@@ -2,6 +2,8 @@
 math on the same bfloat16 / float16 values."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,25 @@ def test_rows_leave_the_rest_of_a_tied_table_resident(tmp_path):
     assert full >= rows * cols * 2 // 1024 * 0.9
     np.testing.assert_array_equal(m.rows(np.array([7, 2000, -1])), w[[7, 2000, -1]].astype(np.float32))
     assert full - _mapping_rss_kib(path) <= 3 * (2048 + 128)  # three windows (or their huge pages) at most
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise through libc and /proc: Linux")
+def test_release_pages_shrinks_the_resident_set_and_keeps_the_data(tmp_path):
+    """`release_pages` (the loader's, after expanding a Q5_0 tensor): this process's pages of a view
+    of a read-only np.memmap leave its resident set, and the data read the same afterwards; a plain
+    array is left alone."""
+    from gemmalite.weights.matrix import release_pages
+
+    path = tmp_path / "blob"
+    n = 48 << 20
+    np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tofile(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    view = data[12345:n - 6789].reshape(-1, 2)  # unaligned ends, a reshaped view as the loader's raw
+    total = int(view.sum(dtype=np.uint64))  # every page resident
+    assert _mapping_rss_kib(path) > 47 << 10
+    release_pages(view)
+    assert _mapping_rss_kib(path) <= 2 * 64  # at most the FAULT_AROUND windows past the view's ends
+    assert int(view.sum(dtype=np.uint64)) == total
+    plain = np.arange(10, dtype=np.uint8)
+    release_pages(plain)
+    np.testing.assert_array_equal(plain, np.arange(10, dtype=np.uint8))
