@@ -20,8 +20,8 @@ from numba.extending import intrinsic, overload
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, half_to_f32_ir, literal_ladder, nibbles
 from .fdot import _loop, dot_tile
 from .int4s import LANE_GROUP, lane_strip_tiles
-from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop,
-                   _pmadd, _span, _splat, _vec, block_row_dot, nibble_bytes, q5_0_bytes)
+from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _lane_sums, _lanes, _literal,
+                   _load_vec, _open_loop, _pmadd, _span, _vec, block_row_dot, nibble_bytes, q5_0_bytes)
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -394,18 +394,24 @@ def _kquant_codegen(kind: int, ntok: int):
 
     Per super-block of 256 values: each sub-block's quants (Q4_K / Q5_K: 8 of 32, 4 or 5 bits, a
     6-bit scale and min each; Q6_K: 16 of 16, 6 bits minus 32, an int8 scale each) are unpacked in
-    16-lane vectors and summed against the int16 activations exactly in int32 (``vpmaddwd``);
-    the sub-block's float scale (``d * sc``, ``dmin * m``: the reference dequantizer's own
-    roundings) times the token's activation step then takes one FMA into eight float32 lanes, the
-    min term (exact integer activation sums ``xs``) one scalar FMA; one horizontal sum per token
-    at the end. Each token's operations are the same whatever the tile, so every output is bit for
-    bit its one-token result. ``xq`` int16 ``[T, in]``, ``xd`` float32 and ``xs`` int32 ``[T, in //
-    32]``, ``out`` float32 ``[T, rows]``. Sums stay far inside int32 (2 * 2 * 32 * 32767 per lane)."""
+    16-lane vectors and summed against the int16 activations exactly in int32 (``vpmaddwd``); a
+    transposing tree (`_lane_sums`) folds the eight sub-block sums of a super-block into one vector,
+    a lane each, exact integers (below 2^24, so exact in float32 too, but Q5_K's). The scales
+    unpack into vectors as well (``d * sc``, ``dmin * m``: the reference dequantizer's own
+    roundings), times the token's activation steps, so a super-block costs each token two FMAs
+    into eight float32 lanes (Q6_K: its two halves of each 32), not one per sub-block plus the
+    scalar work of its scales; the min term (exact integer activation sums ``xs``) rides in the
+    same accumulator. One horizontal sum per token at the end. Each token's operations are the
+    same whatever the tile, so every output is bit for bit its one-token result. ``xq`` int16
+    ``[T, in]``, ``xd`` float32 and ``xs`` int32 ``[T, in // 32]``, ``out`` float32 ``[T, rows]``."""
     bs = _KQ_BYTES[kind]
-    v16 = _vec(_I16, 16)
+    v16, f8, i32x8 = _vec(_I16, 16), _vec(_F32, 8), _vec(_I32, 8)
 
     def i16(v):
         return ir.Constant(v16, [v] * 16)
+
+    def i32(vals):
+        return ir.Constant(i32x8, list(vals))
 
     def codegen(builder, wa, xqa, xda, xsa, r, t0, oa):
         nsb = builder.udiv(wa.shape[1], _c64(bs))
@@ -416,65 +422,51 @@ def _kquant_codegen(kind: int, ntok: int):
         entry, head, body, done = _open_loop(builder, "kq")
         b = builder.phi(_I64)
         b.add_incoming(_c64(0), entry)
-        accs = [builder.phi(_vec(_F32, 8)) for _ in range(ntok)]
-        mins = [builder.phi(_F32) for _ in range(ntok)]
+        accs = [builder.phi(f8) for _ in range(ntok)]
         for a in accs:
-            a.add_incoming(ir.Constant(_vec(_F32, 8), [0.0] * 8), entry)
-        for m in mins:
-            m.add_incoming(ir.Constant(_F32, 0.0), entry)
+            a.add_incoming(ir.Constant(f8, [0.0] * 8), entry)
         builder.cbranch(builder.icmp_signed("<", b, nsb), body, done)
 
         builder.position_at_end(body)
         blk = builder.gep(wrow, [builder.mul(b, _c64(bs))], inbounds=True)
         g0 = builder.mul(b, _c64(8))  # the super-block's first group of 32 activations
 
-        def byte(off):
-            return builder.zext(builder.load(builder.gep(blk, [_c64(off)], inbounds=True)), _I32)
-
-        def half(off, lanes=0):
+        def half(off):  # a float16 over eight lanes (`half_to_f32_ir`: no false dependency)
             p = builder.bitcast(builder.gep(blk, [_c64(off)], inbounds=True), _I16.as_pointer())
-            return half_to_f32_ir(builder, builder.load(p, align=1), lanes)
+            return half_to_f32_ir(builder, builder.load(p, align=1), 8)
 
         def quants(off):
             return builder.zext(_load_vec(builder, blk, _c64(off), _vec(_I8, 16)), v16)
 
-        new_accs, new_mins = list(accs), list(mins)
+        def dot(q, t, g, off):  # 16 quants against token t's activations 32g + off ..
+            x = _load_vec(builder, xrow[t], builder.add(builder.mul(builder.add(g0, _c64(g)), _c64(32)), _c64(off)), v16)
+            return builder.call(pmadd, [q, x])
 
-        def add(j, chunks, scale, dmin=None):
-            """Group ``j`` of the super-block (``chunks``: (quants, offset in the group) pairs), its
-            float scale (and min: Q4_K / Q5_K) into every token's sums."""
-            g = builder.add(g0, _c64(j))
-            for t in range(ntok):
-                isum = None
-                for q, off in chunks:
-                    xv = _load_vec(builder, xrow[t], builder.add(builder.mul(g, _c64(32)), _c64(off)), v16)
-                    s = builder.call(pmadd, [q, xv])
-                    isum = s if isum is None else builder.add(isum, s)
-                xd = builder.load(builder.gep(drow[t], [g], inbounds=True))
-                f = builder.fmul(scale, _splat(builder, xd, 8), flags=_EXACT)
-                new_accs[t] = _fma(builder, builder.sitofp(isum, _vec(_F32, 8)), f, new_accs[t])
-                if dmin is not None:
-                    xs = builder.sitofp(builder.load(builder.gep(srow[t], [g], inbounds=True)), _F32)
-                    new_mins[t] = _fma1(builder, builder.fmul(dmin, xd, flags=_EXACT), xs, new_mins[t])
+        def eight(t, arr):  # token t's eight values of the super-block's groups (xd or xs)
+            p = builder.bitcast(builder.gep(arr[t], [g0], inbounds=True), _vec(arr[t].type.pointee, 8).as_pointer())
+            return builder.load(p, align=1)
 
+        new_accs = list(accs)
         if kind in (4, 5):
-            d, dmin = half(0, 8), half(2)  # d over eight lanes (`half_to_f32_ir`: no false dependency)
-            s = [byte(4 + i) for i in range(12)]
-            c63, c15 = ir.Constant(_I32, 63), ir.Constant(_I32, 15)
+            d, dmin = half(0), half(2)
+            s = _load_vec(builder, blk, _c64(4), _vec(_I8, 16))  # the 12 bytes of 6-bit scales and mins
+
+            def pick(idx):  # lanes j of those bytes (16: zero) as int32
+                return builder.zext(builder.shuffle_vector(s, ir.Constant(_vec(_I8, 16), [0] * 16), _lanes(idx)), i32x8)
+
+            six, four, low = i32([6] * 8), i32([4] * 8), i32([63] * 4 + [15] * 4)
+            # get_scale_min_k4 for j = 0..7: j < 4 the low 6 bits of s[j] / s[j + 4]; else a nibble of
+            # s[j + 4] and the top two bits of s[j - 4] / s[j]
+            sc = builder.or_(builder.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), low),
+                             builder.shl(builder.lshr(pick([16] * 4 + [0, 1, 2, 3]), six), four))
+            mn = builder.or_(builder.and_(builder.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), i32([0] * 4 + [4] * 4)), low),
+                             builder.shl(builder.lshr(pick([16] * 4 + [4, 5, 6, 7]), six), four))
+            scale = builder.fmul(d, builder.uitofp(sc, f8), flags=_EXACT)
+            mins = builder.fmul(dmin, builder.uitofp(mn, f8), flags=_EXACT)
             qs = 48 if kind == 5 else 16
             hbits = [quants(16), quants(32)] if kind == 5 else None
+            isums = [[None] * 8 for _ in range(ntok)]
             for c in range(4):
-                scales = []
-                for j in (2 * c, 2 * c + 1):  # get_scale_min_k4
-                    if j < 4:
-                        sc, mn = builder.and_(s[j], c63), builder.and_(s[j + 4], c63)
-                    else:
-                        top = ir.Constant(_I32, 6)
-                        sc = builder.or_(builder.and_(s[j + 4], c15), builder.shl(builder.lshr(s[j - 4], top), ir.Constant(_I32, 4)))
-                        mn = builder.or_(builder.lshr(s[j + 4], ir.Constant(_I32, 4)), builder.shl(builder.lshr(s[j], top), ir.Constant(_I32, 4)))
-                    scales.append((builder.fmul(d, _splat(builder, builder.uitofp(sc, _F32), 8), flags=_EXACT),
-                                   builder.fmul(dmin, builder.uitofp(mn, _F32), flags=_EXACT)))
-                lo, hi = [], []
                 for h in range(2):
                     w = quants(qs + 32 * c + 16 * h)
                     ql, qh = builder.and_(w, i16(15)), builder.lshr(w, i16(4))
@@ -482,12 +474,22 @@ def _kquant_codegen(kind: int, ntok: int):
                         bits = hbits[h]
                         ql = builder.or_(ql, builder.shl(builder.and_(builder.lshr(bits, i16(2 * c)), i16(1)), i16(4)))
                         qh = builder.or_(qh, builder.shl(builder.and_(builder.lshr(bits, i16(2 * c + 1)), i16(1)), i16(4)))
-                    lo.append((ql, 16 * h))
-                    hi.append((qh, 16 * h))
-                add(2 * c, lo, *scales[0])
-                add(2 * c + 1, hi, *scales[1])
-        else:  # Q6_K
-            d = half(208, 8)
+                    for t in range(ntok):
+                        for j, q in ((2 * c, ql), (2 * c + 1, qh)):
+                            p = dot(q, t, j, 16 * h)
+                            isums[t][j] = p if isums[t][j] is None else builder.add(isums[t][j], p)
+            for t in range(ntok):
+                xd = eight(t, drow)
+                total = builder.sitofp(_lane_sums(builder, isums[t])[0], f8)
+                acc = _fma(builder, total, builder.fmul(scale, xd, flags=_EXACT), new_accs[t])
+                xs = builder.sitofp(eight(t, srow), f8)
+                new_accs[t] = _fma(builder, builder.fneg(builder.fmul(mins, xd, flags=_EXACT)), xs, acc)
+        else:  # Q6_K: group g of 32 activations holds sub-blocks 2g (scale A) and 2g + 1 (scale B)
+            d = half(208)
+            sc = builder.sext(_load_vec(builder, blk, _c64(192), _vec(_I8, 16)), _vec(_I32, 16))
+            scales = [builder.fmul(d, builder.sitofp(builder.shuffle_vector(sc, sc, _lanes(range(k, 16, 2))), f8),
+                                   flags=_EXACT) for k in range(2)]
+            isums = [[[None] * 8 for _ in range(2)] for _ in range(ntok)]
             for h in range(2):
                 for k in range(2):
                     a, bq, cq = quants(64 * h + 16 * k), quants(64 * h + 32 + 16 * k), quants(128 + 32 * h + 16 * k)
@@ -496,28 +498,27 @@ def _kquant_codegen(kind: int, ntok: int):
                           builder.or_(builder.lshr(a, i16(4)), builder.shl(builder.and_(builder.lshr(cq, i16(4)), i16(3)), i16(4))),
                           builder.or_(builder.lshr(bq, i16(4)), builder.shl(builder.lshr(cq, i16(6)), i16(4)))]
                     for i in range(4):
-                        sc = builder.sext(builder.load(builder.gep(blk, [_c64(192 + 8 * h + 2 * i + k)], inbounds=True)), _I32)
-                        add(4 * h + i, [(builder.sub(qv[i], i16(32)), 16 * k)],
-                            builder.fmul(d, _splat(builder, builder.sitofp(sc, _F32), 8), flags=_EXACT))
+                        q = builder.sub(qv[i], i16(32))
+                        for t in range(ntok):
+                            isums[t][k][4 * h + i] = dot(q, t, 4 * h + i, 16 * k)
+            for t in range(ntok):
+                xd = eight(t, drow)
+                acc = new_accs[t]
+                for k in range(2):
+                    total = builder.sitofp(_lane_sums(builder, isums[t][k])[0], f8)
+                    acc = _fma(builder, total, builder.fmul(scales[k], xd, flags=_EXACT), acc)
+                new_accs[t] = acc
         for t in range(ntok):
             accs[t].add_incoming(new_accs[t], body)
-            mins[t].add_incoming(new_mins[t], body)
         b.add_incoming(builder.add(b, _c64(1)), body)
         builder.branch(head)
 
         builder.position_at_end(done)
         for t in range(ntok):
             at = builder.add(builder.mul(toks[t], oa.shape[1]), r)
-            builder.store(builder.fsub(_hsum(builder, accs[t]), mins[t], flags=_EXACT),
-                          builder.gep(oa.data, [at], inbounds=True))
+            builder.store(_hsum(builder, accs[t]), builder.gep(oa.data, [at], inbounds=True))
 
     return codegen
-
-
-def _fma1(builder, a, b, c):
-    """``a * b + c`` rounded once, on float32 scalars."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
-    return builder.call(fn, [a, b, c])
 
 
 @intrinsic

@@ -380,11 +380,16 @@ def _vpdpbusd(builder):
 
 
 def _lane_sums(builder, vecs):
-    """Eight-lane float vectors ``v_0 .. v_{m-1}`` -> ``ceil(m / 8)`` vectors whose lane ``p`` holds
-    the sum of the lanes of ``v_{8i + p}`` (a transposing tree: 7 adds for 8 sums instead of 56).
-    Every vector's lanes are summed in the same order, ``((0+1)+(2+3))+((4+5)+(6+7))``, whatever
-    vectors it is grouped with, so a tile's shape never changes a result."""
-    zero = ir.Constant(vecs[0].type, [0.0] * 8)
+    """Eight-lane float (or int32) vectors ``v_0 .. v_{m-1}`` -> ``ceil(m / 8)`` vectors whose lane
+    ``p`` holds the sum of the lanes of ``v_{8i + p}`` (a transposing tree: 7 adds for 8 sums
+    instead of 56). Every vector's lanes are summed in the same order, ``((0+1)+(2+3))+((4+5)+(6+7))``,
+    whatever vectors it is grouped with, so a tile's shape never changes a result."""
+    is_int = isinstance(vecs[0].type.element, ir.IntType)
+    zero = ir.Constant(vecs[0].type, [0 if is_int else 0.0] * 8)
+
+    def add(a, b):
+        return builder.add(a, b) if is_int else builder.fadd(a, b, flags=_EXACT)
+
     vecs = vecs + [zero] * (-len(vecs) % 8)
     out = []
     for k in range(0, len(vecs), 8):
@@ -393,8 +398,8 @@ def _lane_sums(builder, vecs):
             lo = [p for base in range(0, 8, 2 * width) for p in (*range(base, base + width),
                                                                     *range(8 + base, 8 + base + width))]
             hi = [p + width for p in lo]
-            level = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), lo)),
-                                  builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), hi)), flags=_EXACT)
+            level = [add(builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), lo)),
+                         builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, 8), hi)))
                      for a, b in zip(level[0::2], level[1::2])]
         out.append(level[0])
     return out
