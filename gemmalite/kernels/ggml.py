@@ -435,8 +435,16 @@ def _kquant_codegen(kind: int, ntok: int):
             p = builder.bitcast(builder.gep(blk, [_c64(off)], inbounds=True), _I16.as_pointer())
             return half_to_f32_ir(builder, builder.load(p, align=1), 8)
 
-        def quants(off):
-            return builder.zext(_load_vec(builder, blk, _c64(off), _vec(_I8, 16)), v16)
+        def quants(off):  # 16 bytes as 16-bit lanes, seen as eight 32-bit ones (see `bits`)
+            return builder.bitcast(builder.zext(_load_vec(builder, blk, _c64(off), _vec(_I8, 16)), v16), i32x8)
+
+        def bits(w, shift, mask, to=0):
+            """Of each 16-bit lane of ``w``: bits ``shift ..`` under ``mask``, moved up by ``to``.
+            In 32-bit lanes, two 16-bit ones at a time: on 16-bit lanes LLVM narrows the masks
+            and shifts to the bytes and widens afterwards, two more shuffles per 16 quants
+            (Q4_K 1.2x slower). ``mask << to`` stays within 16 bits, so lanes never mix."""
+            v = builder.and_(builder.lshr(w, i32([shift] * 8)) if shift else w, i32([mask * 0x10001] * 8))
+            return builder.shl(v, i32([to] * 8)) if to else v
 
         def dot(q, t, g, off):  # 16 quants against token t's activations 32g + off ..
             x = _load_vec(builder, xrow[t], builder.add(builder.mul(builder.add(g0, _c64(g)), _c64(32)), _c64(off)), v16)
@@ -469,11 +477,11 @@ def _kquant_codegen(kind: int, ntok: int):
             for c in range(4):
                 for h in range(2):
                     w = quants(qs + 32 * c + 16 * h)
-                    ql, qh = builder.and_(w, i16(15)), builder.lshr(w, i16(4))
+                    ql, qh = bits(w, 0, 15), bits(w, 4, 15)
                     if kind == 5:  # bit j of qh[l]: bit 4 of sub-block j's value l
-                        bits = hbits[h]
-                        ql = builder.or_(ql, builder.shl(builder.and_(builder.lshr(bits, i16(2 * c)), i16(1)), i16(4)))
-                        qh = builder.or_(qh, builder.shl(builder.and_(builder.lshr(bits, i16(2 * c + 1)), i16(1)), i16(4)))
+                        ql = builder.or_(ql, bits(hbits[h], 2 * c, 1, 4))
+                        qh = builder.or_(qh, bits(hbits[h], 2 * c + 1, 1, 4))
+                    ql, qh = builder.bitcast(ql, v16), builder.bitcast(qh, v16)
                     for t in range(ntok):
                         for j, q in ((2 * c, ql), (2 * c + 1, qh)):
                             p = dot(q, t, j, 16 * h)
@@ -493,12 +501,10 @@ def _kquant_codegen(kind: int, ntok: int):
             for h in range(2):
                 for k in range(2):
                     a, bq, cq = quants(64 * h + 16 * k), quants(64 * h + 32 + 16 * k), quants(128 + 32 * h + 16 * k)
-                    qv = [builder.or_(builder.and_(a, i16(15)), builder.shl(builder.and_(cq, i16(3)), i16(4))),
-                          builder.or_(builder.and_(bq, i16(15)), builder.shl(builder.and_(builder.lshr(cq, i16(2)), i16(3)), i16(4))),
-                          builder.or_(builder.lshr(a, i16(4)), builder.shl(builder.and_(builder.lshr(cq, i16(4)), i16(3)), i16(4))),
-                          builder.or_(builder.lshr(bq, i16(4)), builder.shl(builder.lshr(cq, i16(6)), i16(4)))]
+                    qv = [builder.or_(bits(a, 0, 15), bits(cq, 0, 3, 4)), builder.or_(bits(bq, 0, 15), bits(cq, 2, 3, 4)),
+                          builder.or_(bits(a, 4, 15), bits(cq, 4, 3, 4)), builder.or_(bits(bq, 4, 15), bits(cq, 6, 3, 4))]
                     for i in range(4):
-                        q = builder.sub(qv[i], i16(32))
+                        q = builder.sub(builder.bitcast(qv[i], v16), i16(32))
                         for t in range(ntok):
                             isums[t][k][4 * h + i] = dot(q, t, 4 * h + i, 16 * k)
             for t in range(ntok):
