@@ -228,7 +228,7 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
     ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, out]``.
     """
     int4 = fmt == "int4"
-    i16 = lambda v: ir.Constant(_vec(_I16, 16), [v] * 16)  # noqa: E731
+    i32 = lambda v: ir.Constant(_vec(_I32, 8), [v] * 8)  # noqa: E731
 
     def codegen(builder, wa, *rest):
         if int4:
@@ -274,8 +274,12 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 for c in range(group // 32):
                     b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, _c64(group // 2)), _c64(16 * c)),
                                   _vec(_I8, 16))
-                    w = builder.zext(b, _vec(_I16, 16))
-                    ws += [(builder.and_(w, i16(15)), c), (builder.lshr(w, i16(4)), c + group // 32)]
+                    # masks and shifts on 32-bit lanes: on 16-bit ones LLVM narrows them to the bytes
+                    # and widens after, two more shuffles (see `ggml._kquant_codegen`'s `bits`)
+                    w = builder.bitcast(builder.zext(b, _vec(_I16, 16)), _vec(_I32, 8))
+                    ws += [(builder.bitcast(builder.and_(w, i32(0x000F000F)), _vec(_I16, 16)), c),
+                           (builder.bitcast(builder.and_(builder.lshr(w, i32(4)), i32(0x000F000F)), _vec(_I16, 16)),
+                            c + group // 32)]
                 scale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)), 8)
             elif fmt == "int8":
                 ws = int8_chunks(wrow[i], xbase)
