@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import numpy as np
 from llvmlite import ir
 from numba import literally, njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, half_to_f32_ir, literal_ladder, nibbles
