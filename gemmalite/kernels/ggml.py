@@ -20,7 +20,7 @@ from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, half_to_f32_ir,
 from .fdot import _loop, dot_tile
 from .int4s import LANE_GROUP, lane_strip_tiles
 from .simd import (_EXACT, _F32, _I8, _I16, _I32, _I64, _c64, _codegen, _fma, _hsum, _lane_sums, _lanes, _literal,
-                   _load_vec, _open_loop, _pmadd, _span, _vec, block_row_dot, nibble_bytes, q5_0_bytes)
+                   _load_vec, _open_loop, _pmadd, _span, _vec, _word_bits, block_row_dot, nibble_bytes, q5_0_bytes)
 
 QK_K = 256
 ROW_CHUNK = 16  # output rows per parallel work item in the fused kernel
@@ -369,8 +369,7 @@ def q5_0_to_q8_0(raw, out):  # pragma: no cover - compiled
             i, o = 22 * b, 34 * b
             out[r, o] = raw[r, i]
             out[r, o + 1] = raw[r, i + 1]
-            qh = (np.uint32(raw[r, i + 2]) | (np.uint32(raw[r, i + 3]) << 8) | (np.uint32(raw[r, i + 4]) << 16)
-                  | (np.uint32(raw[r, i + 5]) << 24))
+            qh = _u32(raw[r], i + 2)
             for j in range(16):
                 q = raw[r, i + 6 + j]
                 lo = np.int32(q & 15) | np.int32(((qh >> j) & 1) << 4)
@@ -434,16 +433,11 @@ def _kquant_codegen(kind: int, ntok: int):
             p = builder.bitcast(builder.gep(blk, [_c64(off)], inbounds=True), _I16.as_pointer())
             return half_to_f32_ir(builder, builder.load(p, align=1), 8)
 
-        def quants(off):  # 16 bytes as 16-bit lanes, seen as eight 32-bit ones (see `bits`)
+        def quants(off):  # 16 bytes as 16-bit lanes, seen as eight 32-bit ones (`_word_bits`)
             return builder.bitcast(builder.zext(_load_vec(builder, blk, _c64(off), _vec(_I8, 16)), v16), i32x8)
 
         def bits(w, shift, mask, to=0):
-            """Of each 16-bit lane of ``w``: bits ``shift ..`` under ``mask``, moved up by ``to``.
-            In 32-bit lanes, two 16-bit ones at a time: on 16-bit lanes LLVM narrows the masks
-            and shifts to the bytes and widens afterwards, two more shuffles per 16 quants
-            (Q4_K 1.2x slower). ``mask << to`` stays within 16 bits, so lanes never mix."""
-            v = builder.and_(builder.lshr(w, i32([shift] * 8)) if shift else w, i32([mask * 0x10001] * 8))
-            return builder.shl(v, i32([to] * 8)) if to else v
+            return _word_bits(builder, w, shift, mask, to)
 
         def dot(q, t, g, off):  # 16 quants against token t's activations 32g + off ..
             x = _load_vec(builder, xrow[t], builder.add(builder.mul(builder.add(g0, _c64(g)), _c64(32)), _c64(off)), v16)

@@ -110,6 +110,19 @@ def _load_vec(builder, base, index, vty):
     return builder.load(p, align=1)
 
 
+def _word_bits(builder, w, shift: int, mask: int, to: int = 0):
+    """Of each 16-bit lane of ``w`` (``<8 x i32>``: sixteen 16-bit lanes seen two at a time), bits
+    ``shift ..`` under ``mask``, moved up by ``to`` (``mask << to`` stays within 16 bits, so lanes
+    never mix). The nibble unpackers work on 32-bit lanes because on 16-bit ones LLVM narrows the
+    masks and shifts to the bytes and widens afterwards: two more shuffles per 16 values (Q4_K
+    decode rows 1.2x slower)."""
+    def splat(v):
+        return ir.Constant(_vec(_I32, 8), [v] * 8)
+
+    v = builder.and_(builder.lshr(w, splat(shift)) if shift else w, splat(mask * 0x10001))
+    return builder.shl(v, splat(to)) if to else v
+
+
 def _lanes(index) -> ir.Constant:
     """A shuffle mask: result lane i takes source lane ``index[i]``."""
     index = list(index)
@@ -228,7 +241,6 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
     ``xq`` int16 ``[T, in]``, ``xd`` float32 ``[T, in // group]``, ``out`` float32 ``[T, out]``.
     """
     int4 = fmt == "int4"
-    i32 = lambda v: ir.Constant(_vec(_I32, 8), [v] * 8)  # noqa: E731
 
     def codegen(builder, wa, *rest):
         if int4:
@@ -274,12 +286,9 @@ def _rows_dot_codegen(group: int, nrows: int, ntok: int, fmt: str):
                 for c in range(group // 32):
                     b = _load_vec(builder, wrow[i], builder.add(builder.mul(g, _c64(group // 2)), _c64(16 * c)),
                                   _vec(_I8, 16))
-                    # masks and shifts on 32-bit lanes: on 16-bit ones LLVM narrows them to the bytes
-                    # and widens after, two more shuffles (see `ggml._kquant_codegen`'s `bits`)
-                    w = builder.bitcast(builder.zext(b, _vec(_I16, 16)), _vec(_I32, 8))
-                    ws += [(builder.bitcast(builder.and_(w, i32(0x000F000F)), _vec(_I16, 16)), c),
-                           (builder.bitcast(builder.and_(builder.lshr(w, i32(4)), i32(0x000F000F)), _vec(_I16, 16)),
-                            c + group // 32)]
+                    w = builder.bitcast(builder.zext(b, _vec(_I16, 16)), _vec(_I32, 8))  # `_word_bits`
+                    ws += [(builder.bitcast(_word_bits(builder, w, 0, 15), _vec(_I16, 16)), c),
+                           (builder.bitcast(_word_bits(builder, w, 4, 15), _vec(_I16, 16)), c + group // 32)]
                 scale = half_to_f32_ir(builder, builder.load(builder.gep(srow[i], [g], inbounds=True)), 8)
             elif fmt == "int8":
                 ws = int8_chunks(wrow[i], xbase)
