@@ -30,6 +30,7 @@ from .runtime.threads import check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
 from .vision.prompt import Vision, folder_vision
+from .kernels.ggml import row_bytes
 from .weights.ggml import GGMLMatrix
 from .weights.matrix import release_pages
 
@@ -62,7 +63,8 @@ Q5_0_AUTO_MAX = 256 << 20
 def _expand_q5_0(tensors: dict, how: str) -> None:
     """The Q5_0 projections of a .gguf's tensors as Q8_0 blocks (``gguf_q5_0`` of `load`), in place."""
     q5 = [k for k, t in tensors.items() if isinstance(t, GGMLMatrix) and t.qtype == "Q5_0" and "embed" not in k]
-    if how == "blocks" or (how == "auto" and sum(tensors[k].nbytes for k in q5) * 34 // 22 > Q5_0_AUTO_MAX):
+    expanded = sum(tensors[k].shape[0] * row_bytes("Q8_0", tensors[k].shape[1]) for k in q5)
+    if how == "blocks" or (how == "auto" and expanded > Q5_0_AUTO_MAX):
         return
     for k in q5:
         source = tensors[k].raw

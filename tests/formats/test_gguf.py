@@ -287,4 +287,3 @@ def test_real_gemma3_270m_file():
         raw = t.raw[:8]
         want = quants.dequantize(np.array(raw), Q[qtype]).reshape(8, -1)
         np.testing.assert_array_equal(t.rows(np.arange(8)), want)
-
