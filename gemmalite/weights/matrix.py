@@ -79,10 +79,20 @@ def _read_only_mapping(a: np.ndarray) -> bool:
     return False
 
 
-def _drop_rows(a: np.ndarray, rows: np.ndarray) -> None:
-    """madvise(MADV_DONTNEED) over the FAULT_AROUND-aligned windows that hold ``rows`` of the
-    C-contiguous ``a`` (file-backed read-only: the pages read back from the file), clipped to
-    ``a``'s own pages; adjacent windows are merged."""
+def advise_random(a: np.ndarray) -> None:
+    """madvise(MADV_RANDOM) over the pages of ``a`` where it is a read-only file mapping: a table
+    read a row at a time, never streamed (token embeddings that are no LM head, the PLE table). A
+    fault on a page the page cache lacks then reads that page, not the disk's read-ahead window
+    around it: 8 MiB on a cloud VM's virtio disk, where a cold row of E2B's PLE table took 6-10 ms
+    (a tenth of a decode step) and takes 0.3 ms so advised. A failure leaves the default."""
+    if a.size and _read_only_mapping(a) and _madvise():
+        base = a.ctypes.data
+        first = base - base % _PAGE
+        _MADVISE(first, base + a.nbytes - first, 1)  # MADV_RANDOM
+
+
+def _madvise() -> Any:
+    """libc's ``madvise`` (False where there is none)."""
     global _MADVISE
     if _MADVISE is None:
         import ctypes
@@ -92,7 +102,14 @@ def _drop_rows(a: np.ndarray, rows: np.ndarray) -> None:
         _MADVISE = libc.madvise if libc is not None else False
         if _MADVISE:
             _MADVISE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if not _MADVISE:
+    return _MADVISE
+
+
+def _drop_rows(a: np.ndarray, rows: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) over the FAULT_AROUND-aligned windows that hold ``rows`` of the
+    C-contiguous ``a`` (file-backed read-only: the pages read back from the file), clipped to
+    ``a``'s own pages; adjacent windows are merged."""
+    if not _madvise():
         return
     base, row = a.ctypes.data, a.strides[0]
     first, last = base - base % _PAGE, -(-(base + a.nbytes) // _PAGE) * _PAGE
@@ -140,6 +157,14 @@ class Matrix:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def lookup_only(self) -> "Matrix":
+        """Say that only `rows` reads this matrix (a table, never a product's weights): its
+        file-mapped arrays get random-access advice (`advise_random`). Returns the matrix."""
+        for a in vars(self).values():
+            if isinstance(a, np.ndarray):
+                advise_random(a)
+        return self
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError

@@ -149,3 +149,50 @@ def test_release_pages_shrinks_the_resident_set_and_keeps_the_data(tmp_path):
     plain = np.arange(10, dtype=np.uint8)
     release_pages(plain)
     np.testing.assert_array_equal(plain, np.arange(10, dtype=np.uint8))
+
+
+def _mapping_flags(path) -> list[set[str]]:
+    """The VmFlags of each of this process's mappings of ``path`` (/proc/self/smaps)."""
+    flags, mine = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:
+                mine = line.rstrip().endswith(str(path))
+            elif mine and line.startswith("VmFlags:"):
+                flags.append(set(head[1:]))
+    return flags
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise through libc and /proc: Linux")
+def test_lookup_tables_are_advised_random_and_a_tied_head_is_not(tmp_path):
+    """`build.host_tables`: the PLE table and an embedding no product reads take MADV_RANDOM (the
+    kernel's ``rr`` flag: a cold row then reads its pages, not the disk's read-ahead window); the
+    embedding of a tied, unquantized head keeps the default read-ahead its products stream with;
+    rows read the same either way, and an array in memory is left alone."""
+    from types import SimpleNamespace
+
+    from gemmalite.models.gemma.build import host_tables
+
+    def mapped(name, rows, cols, seed):
+        w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(BF16)
+        w.tofile(tmp_path / name)
+        return w, np.memmap(tmp_path / name, dtype=BF16, mode="r", shape=(rows, cols))
+
+    (e, emb), (p, ple) = mapped("embed.bin", 512, 64, 0), mapped("ple.bin", 512, 96, 1)
+    embed, head, table = host_tables(SimpleNamespace(ple_dim=48), {"embed_tokens.weight": emb,
+                                                                  "embed_tokens_per_layer.weight": ple}, None)
+    assert head is embed
+    assert all("rr" not in f for f in _mapping_flags(tmp_path / "embed.bin"))
+    assert _mapping_flags(tmp_path / "ple.bin") and all("rr" in f for f in _mapping_flags(tmp_path / "ple.bin"))
+    ids = np.array([3, 511, 0, 3])
+    np.testing.assert_array_equal(table.rows(ids), p[ids].astype(np.float32))
+    np.testing.assert_array_equal(embed.rows(ids), e[ids].astype(np.float32))
+
+    _, emb2 = mapped("embed2.bin", 512, 64, 0)
+    embed, head, _ = host_tables(SimpleNamespace(ple_dim=0), {"embed_tokens.weight": emb2}, "int8")
+    assert head is not embed and all("rr" in f for f in _mapping_flags(tmp_path / "embed2.bin"))
+    np.testing.assert_array_equal(embed.rows(ids), e[ids].astype(np.float32))
+    plain = HalfMatrix(e.copy())
+    assert plain.lookup_only() is plain
+    np.testing.assert_array_equal(plain.rows(ids), e[ids].astype(np.float32))

@@ -89,7 +89,7 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) 
 def host_tables(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) -> tuple[Matrix, Matrix, Matrix | None]:
     """The host side's tables: token embedding, LM head (the embedding when tied and not
     quantized; an untied head, or the quantized copy a converted checkpoint stores) and the PLE
-    token table."""
+    token table; the tables no product reads are marked as looked up only."""
     mat = matrix_factory(quant)
     embed = table(tensors["embed_tokens.weight"])
     head = tensors.get("lm_head.weight")
@@ -97,5 +97,7 @@ def host_tables(cfg: ModelConfig, tensors: dict[str, Any], quant: str | None) ->
         lm_head = embed if quant is None else mat(tensors["embed_tokens.weight"])
     else:
         lm_head = table(head) if quant is None else mat(head)
-    ple_table = table(tensors["embed_tokens_per_layer.weight"]) if cfg.ple_dim else None
+    if lm_head is not embed:  # read a row at a time only (`Matrix.lookup_only`)
+        embed.lookup_only()
+    ple_table = table(tensors["embed_tokens_per_layer.weight"]).lookup_only() if cfg.ple_dim else None
     return embed, lm_head, ple_table

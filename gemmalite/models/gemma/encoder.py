@@ -254,5 +254,5 @@ def build_encoder(cfg: EncoderConfig, tensors: dict[str, Any], mat, table) -> En
         layers.append(w)
     ple = PLEWeights(projection=mat(tensors["ple.per_layer_model_projection.weight"]),
                      norm=vec("ple.per_layer_projection_norm.weight"))
-    return EncoderGraph(cfg, table(tensors["embed_tokens.weight"]), layers, vec("norm.weight"), ple,
+    return EncoderGraph(cfg, table(tensors["embed_tokens.weight"]).lookup_only(), layers, vec("norm.weight"), ple,
                         mat(tensors["embedding_projection.weight"]))
