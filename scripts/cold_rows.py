@@ -35,7 +35,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import gemmalite
-    from gemmalite.weights import matrix
 
     e = gemmalite.load(a.model).engine
     tables = {"PLE table": e.ple_table, "token embedding": e.embed if e.embed is not e.lm_head else None}
@@ -45,10 +44,7 @@ def main(argv=None) -> int:
         if t is None:
             continue
         if a.default:
-            for arr in vars(t).values():
-                if isinstance(arr, np.ndarray) and arr.size and matrix._read_only_mapping(arr) and matrix._madvise():
-                    base = arr.ctypes.data - arr.ctypes.data % matrix._PAGE
-                    matrix._MADVISE(base, arr.ctypes.data + arr.nbytes - base, 0)  # MADV_NORMAL
+            t.lookup_only(False)
         t.rows(np.array([0]))  # compiles the gather where it is a kernel; row 0 is then cached
         ms = []
         for r in rng.integers(1, t.shape[0], a.rows):

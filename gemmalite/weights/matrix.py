@@ -79,16 +79,17 @@ def _read_only_mapping(a: np.ndarray) -> bool:
     return False
 
 
-def advise_random(a: np.ndarray) -> None:
+def advise_random(a: np.ndarray, random: bool = True) -> None:
     """madvise(MADV_RANDOM) over the pages of ``a`` where it is a read-only file mapping: a table
     read a row at a time, never streamed (token embeddings that are no LM head, the PLE table). A
     fault on a page the page cache lacks then reads that page, not the disk's read-ahead window
-    around it: 8 MiB on a cloud VM's virtio disk, where a cold row of E2B's PLE table took 6-10 ms
-    (a tenth of a decode step) and takes 0.3 ms so advised. A failure leaves the default."""
+    around it: 8 MiB on a cloud VM's virtio disk, where a cold row of E2B's PLE table took 6-12 ms
+    (a tenth of a decode step) and takes 0.3-0.5 ms so advised. ``random`` False: the default
+    again (MADV_NORMAL). A failure leaves the advice as it was."""
     if a.size and _read_only_mapping(a) and _madvise():
         base = a.ctypes.data
         first = base - base % _PAGE
-        _MADVISE(first, base + a.nbytes - first, 1)  # MADV_RANDOM
+        _MADVISE(first, base + a.nbytes - first, 1 if random else 0)  # MADV_RANDOM / MADV_NORMAL
 
 
 def _madvise() -> Any:
@@ -158,12 +159,13 @@ class Matrix:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def lookup_only(self) -> "Matrix":
+    def lookup_only(self, only: bool = True) -> "Matrix":
         """Say that only `rows` reads this matrix (a table, never a product's weights): its
-        file-mapped arrays get random-access advice (`advise_random`). Returns the matrix."""
+        file-mapped arrays get random-access advice (`advise_random`; ``only`` False takes it
+        back). Returns the matrix."""
         for a in vars(self).values():
             if isinstance(a, np.ndarray):
-                advise_random(a)
+                advise_random(a, only)
         return self
 
     def matmul(self, x: np.ndarray) -> np.ndarray:

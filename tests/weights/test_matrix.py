@@ -193,6 +193,7 @@ def test_lookup_tables_are_advised_random_and_a_tied_head_is_not(tmp_path):
     embed, head, _ = host_tables(SimpleNamespace(ple_dim=0), {"embed_tokens.weight": emb2}, "int8")
     assert head is not embed and all("rr" in f for f in _mapping_flags(tmp_path / "embed2.bin"))
     np.testing.assert_array_equal(embed.rows(ids), e[ids].astype(np.float32))
+    assert embed.lookup_only(False) is embed and all("rr" not in f for f in _mapping_flags(tmp_path / "embed2.bin"))
     plain = HalfMatrix(e.copy())
     assert plain.lookup_only() is plain
     np.testing.assert_array_equal(plain.rows(ids), e[ids].astype(np.float32))
