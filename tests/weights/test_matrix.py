@@ -79,18 +79,24 @@ def test_bf16_projections_stay_half(tmp_path, gl):
     assert all(isinstance(m.w, np.memmap) or isinstance(m.w.base, np.memmap) for m in mats)
 
 
-def _mapping_rss_kib(path) -> int:
-    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
-    total, mine = 0, False
+def _smaps_fields(path, key: str) -> list[list[str]]:
+    """The ``key:`` line's fields (after the key) of each of this process's mappings of ``path``
+    (/proc/self/smaps)."""
+    out, mine = [], False
     with open("/proc/self/smaps") as f:
         lines = f.readlines()
     for line in lines:
         head = line.split()
         if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
             mine = line.rstrip().endswith(str(path))
-        elif mine and line.startswith("Rss:"):
-            total += int(head[1])
-    return total
+        elif mine and line.startswith(key + ":"):
+            out.append(head[1:])
+    return out
+
+
+def _mapping_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path``."""
+    return sum(int(f[0]) for f in _smaps_fields(path, "Rss"))
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise / smaps are Linux's")
@@ -153,17 +159,10 @@ def test_release_pages_shrinks_the_resident_set_and_keeps_the_data(tmp_path):
 
 def _advised_random(path) -> bool:
     """Do this process's mappings of ``path`` (at least one) all carry the kernel's ``rr`` flag
-    (MADV_RANDOM), by their VmFlags in /proc/self/smaps? None of them: False."""
-    flags, mine = [], False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:
-                mine = line.rstrip().endswith(str(path))
-            elif mine and line.startswith("VmFlags:"):
-                flags.append("rr" in head[1:])
+    (MADV_RANDOM) among their VmFlags?"""
+    flags = _smaps_fields(path, "VmFlags")
     assert flags, f"no mapping of {path}"
-    return all(flags)
+    return all("rr" in f for f in flags)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise through libc and /proc: Linux")
