@@ -8,7 +8,8 @@ from numba import njit, prange
 
 from .common import EXACT, FAST, TOKEN_TILE, among, either, h2f, literal_ladder, nibbles, prefetch
 from .fdot import dot_tile, lane_sum
-from .simd import TILE_BLOCK, U8_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, round_u8, u8_lane_corr, u8_tile_dot
+from .simd import (TILE_BLOCK, U8_BLOCK, int4_rows_dot, int8_rows_dot, int8_tile_dot, int16_step, round_int16, round_u8,
+                   u8_lane_corr, u8_tile_dot)
 
 _JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
 
@@ -116,27 +117,9 @@ def i8_mvn_w8a16(q, scale, xq, xd, rows_per_task, out):
 
 @njit(parallel=True, **_FAST)
 def round_int16_rows(x, block, xq, xd):
-    """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel: the same
-    ``xq`` and ``xd`` (the group sums are not needed here), on slices indexed from 0, which
-    vectorise (numba's gathers on ``range(g * block, ...)`` took 1.7 ns a value)."""
+    """``simd.round_int16`` for every row of ``x`` (prefill activations), in parallel."""
     for t in prange(x.shape[0]):
-        for g in range(x.shape[1] // block):
-            xg = x[t, g * block : g * block + block]
-            qg = xq[t, g * block : g * block + block]
-            d, inv = _int16_step(xg)
-            xd[t, g] = d
-            for j in range(block):
-                qg[j] = np.int16(np.rint(xg[j] * inv))
-
-
-@njit(inline="always", **_FAST)
-def _int16_step(xg):
-    """A block's int16 step ``max|x| / 32767`` and its inverse (0 for an all-zero block)."""
-    amax = np.float32(0.0)
-    for j in range(xg.shape[0]):
-        amax = max(amax, abs(xg[j]))
-    d = amax / np.float32(32767.0)
-    return d, (np.float32(1.0) / d if d > 0 else np.float32(0.0))
+        round_int16(x[t], block, xq[t], xd[t])
 
 
 PREFETCH_STRIPS = 4  # int8 prefill: 4-row strips ahead whose weights are prefetched (a short query: -10 %)
@@ -189,7 +172,7 @@ def round_i16_planes(x, xl, xh, xd):
     for t in prange(x.shape[0]):
         for g in range(x.shape[1] // U8_BLOCK):
             xg = x[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
-            d, inv = _int16_step(xg)
+            d, inv = int16_step(xg)
             xd[g, t] = d
             lo = xl[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]
             hi = xh[t, g * U8_BLOCK : g * U8_BLOCK + U8_BLOCK]

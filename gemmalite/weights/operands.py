@@ -181,7 +181,7 @@ def _product(op, x):
     if c is Int8Op:
         def int8(op, x):
             t = x.shape[0]
-            xq, xd, _ = int16_activation_rows(x, op.group)
+            xq, xd = int16_activation_rows(x, op.group)
             out = np.empty((t, op.q.shape[0]), np.float32)
             i8_mvn_w8a16(op.q, op.scale, xq, xd, 4 if t >= FOUR_ROW_TILES or op.long else 1, out)
             return out
@@ -203,7 +203,9 @@ def _product(op, x):
     if c is Int4aOp:
         def int4a(op, x):
             t = x.shape[0]
-            xq, xd, xs = int16_activation_rows(x, op.group)
+            xq, xd = int16_activation_rows(x, op.group)
+            xs = np.empty((t, x.shape[1] // op.group), np.float32)
+            group_sums(x, op.group, xs)
             out = np.empty((t, op.packed.shape[0]), np.float32)
             i4_mvn_w4a16(op.packed, op.scales, op.mins, xq, xd, xs, op.group,
                          4 if t >= FOUR_ROW_TILES or op.long else 1, out)
@@ -221,14 +223,14 @@ def _product(op, x):
         return int4_rows
     if c is BlockOp:
         def block(op, x):
-            xq, xd, _ = int16_activation_rows(x, np.int64(32))
+            xq, xd = int16_activation_rows(x, np.int64(32))
             out = np.empty((x.shape[0], op.raw.shape[0]), np.float32)
             block_mvn_w8a16(op.raw, xq, xd, op.q5, out)
             return out
         return block
     if c is KQuantOp:
         def kquant(op, x):
-            xq, xd, _ = int16_activation_rows(x, np.int64(32))
+            xq, xd = int16_activation_rows(x, np.int64(32))
             out = np.empty((x.shape[0], op.raw.shape[0]), np.float32)
             kquant_mvn_w8a16(op.raw, xq, xd, group_isums(xq), op.kind, out)
             return out
@@ -267,7 +269,7 @@ def _prepare_impl(op, x):
     c = _class(op)
     if c is Int8Op:
         def int8(op, x):
-            xq, xd, _ = int16_activation_rows(x, op.group)
+            xq, xd = int16_activation_rows(x, op.group)
             return xq, xd, 4 if x.shape[0] >= FOUR_ROW_TILES or op.long else 1
         return int8
     if c is Int4sOp:
@@ -277,12 +279,12 @@ def _prepare_impl(op, x):
         return int4s
     if c is BlockOp:
         def block(op, x):
-            xq, xd, _ = int16_activation_rows(x, np.int64(32))
+            xq, xd = int16_activation_rows(x, np.int64(32))
             return xq, xd
         return block
     if c is KQuantOp:
         def kquant(op, x):
-            xq, xd, _ = int16_activation_rows(x, np.int64(32))
+            xq, xd = int16_activation_rows(x, np.int64(32))
             return xq, xd, group_isums(xq)
         return kquant
     return None

@@ -91,7 +91,7 @@ def test_w8a16_decode_is_exact_math_on_rounded_activations(name):
     w = reference(raw, name).astype(np.float64)
     m = GGMLMatrix(raw, name, (ROWS, COLS))
     x = (np.random.default_rng(8).standard_normal((9, COLS)) * 3).astype(np.float32)
-    xq, xd, _ = int16_activation_rows(x, 32)
+    xq, xd = int16_activation_rows(x, 32)
     xr = (xq.astype(np.float64).reshape(9, -1, 32) * xd.astype(np.float64)[:, :, None]).reshape(9, COLS)
     y = m.matmul_each(x)
     bound = 1e-5 * (np.abs(xr) @ np.abs(w).T) + 1e-30
