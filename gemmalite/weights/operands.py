@@ -8,7 +8,7 @@ decode kernel takes (a class per kernel family), holding the address of its own 
 `models.gemma.compiled`) all call, so each product is one piece of machine code for all of them.
 
 `run_products2` / `run_products3` do the products of one input (q/k/v, gate/up) in one parallel
-region where every operand's kernel is built of tasks (`TASKED`: the integer-SIMD decode kernels;
+region where they are small (`FUSE_MAX_BYTES`) and every operand's kernel is built of tasks (`TASKED`: the integer-SIMD decode kernels;
 each task the same inlined function the kernel's own loop calls, exact integer sums scaled by
 explicit float operations, so every output is the bits of the separate product); `products_each`
 is that from Python.
@@ -434,9 +434,24 @@ def with_kernel(op):
     return op._replace(addr=k.addr, sig=k.sig)
 
 
+# Fused products up to this many weight bytes in all. One region saves a fork and a join, which
+# pays for small products (the real Gemma 3 270M's q / k / v, 1 MB: 47 against 56 us; its gate / up,
+# 2.8 MB: 100 against 108); E2B's gate / up (17-30 MB) ran 2-4 % slower fused than one after the
+# other (two AVX2 threads, weights from memory, alternating in one process: /work/exp/fuse_order.py),
+# whichever way the tasks were ordered.
+FUSE_MAX_BYTES = 8 << 20
+
+
+def weight_bytes(op) -> int:
+    """The bytes of an operand's arrays (its weights, scales and the like)."""
+    return sum(a.nbytes for a in op if isinstance(a, np.ndarray))
+
+
 def fusable(ops: list) -> bool:
-    """Do these operands' products of one input run as one parallel region (`products_kernel`)?"""
-    return len(ops) in (2, 3) and all(type(op) in TASKED for op in ops)
+    """Do these operands' products of one input run as one parallel region (`products_kernel`)?
+    Kernels made of tasks, FUSE_MAX_BYTES of weights at most."""
+    return (len(ops) in (2, 3) and all(type(op) in TASKED for op in ops)
+            and sum(weight_bytes(op) for op in ops) <= FUSE_MAX_BYTES)
 
 
 def products_kernel(ops: list) -> Kernel:
