@@ -84,3 +84,47 @@ def test_repetition_penalty_logits_equal_transformers(pair):
         want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT]), scores.clone())[0].numpy()
         got = penalized(scores[0].numpy().copy(), PROMPT, penalty)
         assert np.array_equal(got, want)
+
+
+def _nucleus_by_full_sort(probs, top_p):
+    """The nucleus from its definition: a stable sort of the whole vocabulary (ties: lower id
+    first), running sums, the shortest prefix reaching top_p (at least one id)."""
+    order = np.argsort(-probs, kind="stable")
+    cut = int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)
+    return np.sort(order[:cut])
+
+
+@pytest.mark.parametrize("n", [50, 3000, 40000])
+def test_nucleus_from_the_head_equals_the_full_sort(n):
+    """`sampling.nucleus` sorts only the head of a large vocabulary: the same ids as sorting it all,
+    with ties at the cut (repeated logits), flat and peaked distributions, top_p near 0 and 1."""
+    from gemmalite.runtime.sampling import _softmax, nucleus
+
+    rng = np.random.default_rng(n)
+    for trial in range(12):
+        z = rng.standard_normal(n) * rng.choice([0.3, 2.0, 6.0])
+        z[rng.integers(0, n, n // 10)] = z[rng.integers(0, n)]  # many ties
+        probs = _softmax(z)
+        for top_p in (1e-6, 0.1, 0.5, 0.9, 0.97, 0.9999):
+            np.testing.assert_array_equal(nucleus(probs, top_p), _nucleus_by_full_sort(probs, top_p))
+
+
+def test_kept_softmax_and_the_draw_are_numpys_to_the_bit():
+    """The probabilities of the kept ids are a softmax over all ids with the others at -inf, to the
+    bit; `sampling.draw` picks what ``Generator.choice(p=...)`` picks with the same seed, and the
+    kept ids alone pick the token the whole vocabulary with its zeros picks."""
+    from gemmalite.runtime.sampling import _softmax, _softmax_of, draw
+
+    rng = np.random.default_rng(1)
+    z = rng.standard_normal(20000) * 3
+    keep = np.flatnonzero(rng.random(20000) < 0.05)
+    mask = np.zeros(20000, bool)
+    mask[keep] = True
+    full = _softmax(np.where(mask, z, -np.inf))
+    kept = _softmax_of(z, keep)
+    np.testing.assert_array_equal(kept, full[keep])
+    a, b, c = (np.random.default_rng(9) for _ in range(3))
+    for _ in range(300):
+        want = int(a.choice(full.shape[0], p=full))
+        assert draw(b, full.copy()) == want
+        assert int(keep[draw(c, kept.copy())]) == want
