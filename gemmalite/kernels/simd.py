@@ -22,8 +22,8 @@ from numba.extending import intrinsic
 
 from .common import FAST, half_to_f32_ir, prefetch_ir
 
-__all__ = ["int16_activation_rows", "int16_step", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot", "int8_tile_dot",
-           "u8_tile_dot", "u8_lane_corr", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
+__all__ = ["int16_activation_rows", "int16_step", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot",
+           "int8_tile_dot", "u8_tile_dot", "u8_lane_corr", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                ir.FloatType())

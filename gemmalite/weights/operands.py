@@ -8,10 +8,10 @@ decode kernel takes (a class per kernel family), holding the address of its own 
 `models.gemma.compiled`) all call, so each product is one piece of machine code for all of them.
 
 `run_products2` / `run_products3` do the products of one input (q/k/v, gate/up) in one parallel
-region where they are small (`FUSE_MAX_BYTES`) and every operand's kernel is built of tasks (`TASKED`: the integer-SIMD decode kernels;
-each task the same inlined function the kernel's own loop calls, exact integer sums scaled by
-explicit float operations, so every output is the bits of the separate product); `products_each`
-is that from Python.
+region where they are small (`FUSE_MAX_BYTES`) and every operand's kernel is built of tasks
+(`TASKED`: the integer-SIMD decode kernels; each task the same inlined function the kernel's own
+loop calls, exact integer sums scaled by explicit float operations, so every output is the bits
+of the separate product); `products_each` is that from Python.
 
 Every kernel gets the argument types a call from Python gives it (no literal constants: numba
 would compile another specialisation).

@@ -9,8 +9,9 @@ the very machine code (never a copy compiled into it, whose sums could round oth
 output is the uncompiled step's to the bit; and it compiles in seconds, once per layer type and
 CPU (cached on disk). The products are the operands' `run_product` (q/k/v and gate/up fused into
 one parallel region each where the format allows and they are small: `operands.fusable`,
-`run_products3` / `run_products2`, which the uncompiled step runs too, `matrix.matmul_each_all`). What is left in `decode_layer` is
-exact float32 arithmetic (residual adds, biases, the layer scalar) and the K/V writes.
+`run_products3` / `run_products2`, which the uncompiled step runs too, `matrix.matmul_each_all`).
+What is left in `decode_layer` is exact float32 arithmetic (residual adds, biases, the layer
+scalar) and the K/V writes.
 
 The host/graph boundary stays: `DecoderGraph` decides per call whether the step qualifies; the PLE
 inputs, RoPE tables, final norm and LM head stay in Python (one call each per step).
