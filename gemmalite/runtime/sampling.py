@@ -130,23 +130,24 @@ def allowed_probs(z: np.ndarray, top_p: float | None, min_p: float | None) -> tu
 
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     """The ids (ascending) of the smallest prefix of ``probs`` in descending order (ties: the lower
-    id first) whose mass reaches ``top_p``, always at least the top one. The order and the running
-    sums are those of a stable sort of the whole vocabulary, found on its head only: the ids at or
-    above the m-th largest probability are exactly that sort's first ones, and their running sums
-    its first ones, so when they reach ``top_p`` the cut is the whole sort's (a full sort of 262,144
-    float64 values took 36 ms, more than a decode step of the real Gemma 3 270M)."""
+    id first) whose mass reaches ``top_p``, always at least the top one: what a stable argsort of
+    the whole vocabulary gives, without one (36 ms on 262,144 float64 values, more than a decode
+    step of the real Gemma 3 270M). The running sums need only the values in descending order,
+    which the head of the distribution holds (the values at or above the m-th largest; m x4 until
+    their mass reaches ``top_p``); the cut's value ``t`` then names the set: every id above ``t``,
+    and of the ids at ``t`` the lowest, as many as the cut takes."""
     n = probs.shape[0]
     m = 256
     while True:
-        if m >= n // 4:  # most of the vocabulary: sort it all
-            head = np.arange(n)
-        else:
-            head = np.flatnonzero(probs >= np.partition(probs, n - m)[n - m])
-        order = head[np.argsort(-probs[head], kind="stable")]
-        cum = np.cumsum(probs[order])
+        head = probs if m >= n // 4 else probs[probs >= np.partition(probs, n - m)[n - m]]
+        desc = np.sort(head)[::-1]
+        cum = np.cumsum(desc)
         if cum[-1] >= top_p or head.shape[0] == n:
-            cut = int(np.searchsorted(cum, top_p) + 1)
-            return np.sort(order[:cut])
+            cut = min(int(np.searchsorted(cum, top_p) + 1), n)
+            t = desc[cut - 1]
+            keep = probs > t
+            keep[np.flatnonzero(probs == t)[: cut - int(keep.sum())]] = True
+            return np.flatnonzero(keep)
         m *= 4
 
 
