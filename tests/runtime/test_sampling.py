@@ -13,7 +13,7 @@ import torch
 
 import hf_oracle as H
 from conftest import random_ids
-from gemmalite.runtime.sampling import Sampler, SamplingParams, penalized
+from gemmalite.runtime.sampling import Sampler, SamplingParams, _softmax, _softmax_of, draw, nucleus, penalized
 
 VOCAB = 512
 PROMPT = random_ids(10, VOCAB, seed=1) * 2  # repeated: the repetition penalty has a history to act on
@@ -98,8 +98,6 @@ def _nucleus_by_full_sort(probs, top_p):
 def test_nucleus_from_the_head_equals_the_full_sort(n):
     """`sampling.nucleus` sorts only the head of a large vocabulary: the same ids as sorting it all,
     with ties at the cut (repeated logits), flat and peaked distributions, top_p near 0 and 1."""
-    from gemmalite.runtime.sampling import _softmax, nucleus
-
     rng = np.random.default_rng(n)
     for trial in range(12):
         z = rng.standard_normal(n) * rng.choice([0.3, 2.0, 6.0])
@@ -113,8 +111,6 @@ def test_kept_softmax_and_the_draw_are_numpys_to_the_bit():
     """The probabilities of the kept ids are a softmax over all ids with the others at -inf, to the
     bit; `sampling.draw` picks what ``Generator.choice(p=...)`` picks with the same seed, and the
     kept ids alone pick the token the whole vocabulary with its zeros picks."""
-    from gemmalite.runtime.sampling import _softmax, _softmax_of, draw
-
     rng = np.random.default_rng(1)
     z = rng.standard_normal(20000) * 3
     keep = np.flatnonzero(rng.random(20000) < 0.05)
