@@ -163,6 +163,9 @@ def test_run_demo_says_it_continues_text(home, demo):
     kept = gl(home, "run", demo, "The three most famous painters of the Renaissance were", "--temperature", "0",
               "--max-new-tokens", "6", "--gguf-q5-0", "blocks")  # the file's Q5_0 blocks: the same logits
     assert kept.stdout == r.stdout
+    mapped = gl(home, "run", demo, "The three most famous painters of the Renaissance were", "--temperature", "0",
+                "--max-new-tokens", "6", "--huge-pages", "off")  # the weights left in the file mapping
+    assert mapped.stdout == r.stdout
 
 
 def test_chat_demo_warns_and_inspect_gemma3(home, demo):

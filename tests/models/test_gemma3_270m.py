@@ -279,3 +279,36 @@ def test_q5_0_projections_expand_to_the_same_logits(model, tmp_path):
         gemmalite.load("gemma3-270m", gguf_q5_0="q8")
     with pytest.raises(InputError, match="for .gguf files"):
         gemmalite.load(tmp_path, gguf_q5_0="int8")
+
+
+def test_huge_pages_move_what_a_step_streams_and_change_no_number(model):
+    """``huge_pages``: True copies the projections and the tied LM head out of the file mapping
+    (`weights.pages`), False keeps them mapped; the prompt's and the decode steps' logits are the
+    same bits either way (and the fixture's default, where the kernel offers 2 MiB pages, moves
+    them too); a bad value says so."""
+    import gemmalite
+    from gemmalite.errors import InputError
+    from gemmalite.weights import pages
+    from gemmalite.weights.matrix import _read_only_mapping
+
+    mapped = gemmalite.load("gemma3-270m", context=256, huge_pages=False)
+    moved = gemmalite.load("gemma3-270m", context=256, huge_pages=True)
+
+    def on_file(m):
+        return {_read_only_mapping(w.raw) for layer in m.engine.graph.layers for w in layer.matrices()
+                if w.qtype != "Q8_0"} | {_read_only_mapping(m.engine.lm_head.raw)}
+
+    assert on_file(mapped) == {True} and on_file(moved) == {False}
+    assert on_file(model) == {not pages.worth_it([model.engine.lm_head])}  # 0.2 GB: as offered on any test machine
+    assert moved.engine.embed is moved.engine.lm_head  # the tied table: its lookups read the copy
+    ids = np.random.RandomState(7).randint(1000, 20000, size=70)
+    np.testing.assert_array_equal(moved.logits(ids), mapped.logits(ids))
+    states = [m.engine.new_state() for m in (mapped, moved)]
+    tok = [int(np.argmax(m.engine.logits(m.engine.prefill(s, np.arange(2, 40)))[-1])) for m, s in zip((mapped, moved), states)]
+    for _ in range(6):
+        a, b = (m.engine.decode_step(s, t) for m, s, t in zip((mapped, moved), states, tok))
+        np.testing.assert_array_equal(a, b)
+        tok = [int(np.argmax(a))] * 2
+    for bad in ("yes", 1):
+        with pytest.raises(InputError, match="huge_pages must be None, True or False"):
+            gemmalite.load("gemma3-270m", huge_pages=bad)

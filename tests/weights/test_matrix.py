@@ -69,14 +69,22 @@ def test_matmul_rejects_other_shapes_by_name(kind, shape):
 
 
 def test_bf16_projections_stay_half(tmp_path, gl):
-    """A bf16 checkpoint loads with its projections as HalfMatrix views of the mapped files."""
+    """A bf16 checkpoint loads with its projections as bf16 HalfMatrix: views of the mapped files
+    (``huge_pages=False``), or their bytes copied into 2 MiB pages (True, `weights.pages`), with
+    the same logits to the bit; the PLE table stays mapped either way."""
     import hf_oracle as H
 
     H.make_gemma4_checkpoint(tmp_path, seed=3, dtype="bfloat16")
-    model = gl.load(tmp_path)
-    mats = [m for w in model.engine.graph.layers for m in w.matrices()]
-    assert mats and all(isinstance(m, HalfMatrix) and m.w.dtype == BF16 for m in mats)
-    assert all(isinstance(m.w, np.memmap) or isinstance(m.w.base, np.memmap) for m in mats)
+    ids = np.arange(3, 40)
+    logits = []
+    for huge in (False, True):
+        model = gl.load(tmp_path, huge_pages=huge)
+        mats = [m for w in model.engine.graph.layers for m in w.matrices()]
+        assert mats and all(isinstance(m, HalfMatrix) and m.w.dtype == BF16 for m in mats)
+        assert {matrix._read_only_mapping(m.w) for m in mats} == {not huge}
+        assert matrix._read_only_mapping(model.engine.ple_table.w)
+        logits.append(model.logits(ids))
+    np.testing.assert_array_equal(*logits)
 
 
 def _smaps_fields(path, key: str) -> list[list[str]]:

@@ -3,7 +3,8 @@
 Big tables (token embeddings, which double as the tied LM head, and the PLE table) stay
 memory-mapped in their stored dtype; so do bfloat16 / float16 projections (used in place,
 converted as they are read), while float32 ones stay float32; ``quant`` makes them int8/int4
-(already-quantized ones are used as they are).
+(already-quantized ones are used as they are). The loader may then move what every decode step
+streams (`GemmaWeights.streamed`) into 2 MiB pages, still in its stored dtype (`weights.pages`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ class GemmaWeights:
     embed: Matrix
     lm_head: Matrix
     ple_table: Matrix | None
+
+    def streamed(self) -> list[Matrix]:
+        """The matrices every decode step reads whole: the layers' projections, the PLE
+        projection, the LM head (a tied embedding with it; the tables read a row at a time
+        are not among them)."""
+        out = [m for layer in self.graph.layers for m in layer.matrices()]
+        if self.graph.ple is not None:
+            out.append(self.graph.ple.projection)
+        return out + [self.lm_head]
 
 
 def matrix_factory(quant: str | None) -> Callable[[Any], Matrix]:
