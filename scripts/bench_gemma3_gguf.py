@@ -45,14 +45,16 @@ def prompt_ids(n: int) -> list[int]:
     return ids[:n]
 
 
-def bench_gemmalite(ids: list[int], new_tokens: int, runs: int, threads: int, gguf_prefill: str = "float") -> dict:
+def bench_gemmalite(ids: list[int], new_tokens: int, runs: int, threads: int, gguf_prefill: str = "float",
+                    huge_pages: bool | None = None) -> dict:
     import gemmalite  # first: it configures OpenBLAS threads before numpy loads it
     import numba
     from gemmalite.tools.bench import run_once
 
     numba.set_num_threads(threads)
     t0 = time.perf_counter()
-    model = gemmalite.load("gemma3-270m", context=max(256, len(ids) + new_tokens + 1), gguf_prefill=gguf_prefill)
+    model = gemmalite.load("gemma3-270m", context=max(256, len(ids) + new_tokens + 1), gguf_prefill=gguf_prefill,
+                           huge_pages=huge_pages)
     load_s = time.perf_counter() - t0
     run_once(model, ids, 4)  # warm-up
     pre, dec = zip(*(run_once(model, ids, new_tokens) for _ in range(runs)))
@@ -107,8 +109,10 @@ def worker(a: argparse.Namespace) -> None:
     ids = json.loads(a.ids)
     if a.worker == "llamacpp":
         r = bench_llamacpp(ids, a.new_tokens, a.runs, a.threads)
-    else:  # gemmalite, gemmalite-int8 (gguf_prefill="int8": activations rounded to int8 in prompts, as llama.cpp)
-        r = bench_gemmalite(ids, a.new_tokens, a.runs, a.threads, "int8" if a.worker.endswith("-int8") else "float")
+    else:  # gemmalite, gemmalite-int8 (gguf_prefill="int8": activations rounded to int8 in prompts, as llama.cpp),
+        # gemmalite-mapped (huge_pages=False: the weights left in the file mapping's 4 KiB pages)
+        r = bench_gemmalite(ids, a.new_tokens, a.runs, a.threads, "int8" if a.worker.endswith("-int8") else "float",
+                            False if a.worker.endswith("-mapped") else None)
     print("RESULT " + json.dumps(r), flush=True)
 
 
@@ -119,9 +123,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engines", default="gemmalite,llamacpp",
-                    help="of gemmalite, gemmalite-int8 (gguf_prefill='int8'), llamacpp")
+                    help="of gemmalite, gemmalite-int8 (gguf_prefill='int8'), gemmalite-mapped (huge_pages=False), "
+                         "llamacpp")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    ap.add_argument("--worker", choices=["gemmalite", "gemmalite-int8", "llamacpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["gemmalite", "gemmalite-int8", "gemmalite-mapped", "llamacpp"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:

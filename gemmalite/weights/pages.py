@@ -26,6 +26,7 @@ from .matrix import Matrix, release_pages
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 MEMINFO = "/proc/meminfo"
 ALIGN = 64  # bytes: each array starts on a cache line
+CHUNK = 32 << 20  # bytes `Arena.copy` copies before it lets the source's pages go
 ROOM = 0.5  # `worth_it`: the copies may take at most this share of the memory the kernel calls available
 
 
@@ -85,14 +86,19 @@ class Arena:
         self._used = 0
 
     def copy(self, a: np.ndarray) -> np.ndarray:
-        """A C-contiguous copy of ``a`` in the arena."""
+        """A copy of the C-contiguous ``a`` in the arena, made CHUNK bytes at a time; a file
+        mapping's pages of each chunk leave the resident set once it is copied (`release_pages`),
+        so a big table never sits in memory twice."""
         n = a.nbytes
         if self._used + n > self._bytes.size:
             raise ValueError("arena full")
-        out = self._bytes[self._used:self._used + n].view(a.dtype).reshape(a.shape)
+        out = self._bytes[self._used:self._used + n]
         self._used += -(-n // ALIGN) * ALIGN
-        out[...] = a
-        return out
+        src = a.reshape(-1).view(np.uint8)
+        for i in range(0, n, CHUNK):
+            out[i:i + CHUNK] = src[i:i + CHUNK]
+            release_pages(src[i:i + CHUNK])
+        return out.view(a.dtype).reshape(a.shape)
 
 
 def _matrices(m: Matrix) -> Iterable[Matrix]:
@@ -123,8 +129,8 @@ def _tangled(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
 def move(matrices: Iterable[Matrix]) -> int:
     """Copy the arrays of ``matrices`` (each matrix once) into one `Arena` and point the matrices
     at the copies, one array at a time: a file mapping's pages leave the resident set as soon as
-    they are copied (`release_pages`), an array in memory is freed when its matrices let go, so
-    the resident set never holds much more than the arena. An array that is another one's whole
+    they are copied (`Arena.copy`), an array in memory is freed when its matrices let go, so the
+    resident set never holds much more than the arena. An array that is another one's whole
     bytes seen otherwise (a bfloat16 matrix's uint16 bits, int4 scales' bits) follows its copy; one
     that overlaps another only in part, or is not C-contiguous, stays where it is. Cached operands
     are dropped (they held the old arrays). Returns the bytes moved."""
@@ -145,13 +151,12 @@ def move(matrices: Iterable[Matrix]) -> int:
     for key in list(groups):
         users = groups.pop(key)
         source = getattr(*users[0])
-        copy = arena.copy(source)
+        copy = arena.copy(source)  # (a file mapping's pages leave the resident set as they are copied)
         for m, name in users:
             a = getattr(m, name)
             new = copy.view(a.dtype).reshape(a.shape)
             new.flags.writeable = a.flags.writeable  # a read-only mapping's copy too: the same array types
             setattr(m, name, new)
-        release_pages(source)
         moved += copy.nbytes
         del source, copy, users, a
     return moved
