@@ -73,8 +73,8 @@ def export(src: str | Path, out: str | Path, fmt: str = "onnx", *, context: int 
         raise InputError("an EmbeddingGemma 2 encoder export has no context or chunk (one graph, any length)")
     level = DEFAULT_ACCURACY if accuracy_level is None else accuracy_level
     meta = {"quant": quant, "source": given}
-    model = gemmalite.load_embedder(src_path, quant=quant) if encoder else gemmalite.load(src_path, context=context,
-                                                                                           quant=quant)
+    model = gemmalite.load_embedder(src_path, quant=quant) if encoder else gemmalite.load(
+        src_path, context=context, quant=quant, huge_pages=False)  # read to be written: no copy to 2 MiB pages
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
