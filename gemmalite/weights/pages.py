@@ -10,9 +10,11 @@ anonymous mapping that asks for 2 MiB pages (an `Arena`), and lets the file's pa
 resident set. Tables read a row at a time (token embeddings that are no LM head, the PLE table)
 stay mapped: only their looked-up rows come into memory.
 
-Measured on a 2-core AMD EPYC (Zen 3) VM: the real Gemma 3 270M's decode step 9 % faster, its
-LM head 6-12 %, E2B int8 5 %; a memory read of 2 GiB 4 % faster (`scripts/bandwidth_probe.py`).
-The values are the same bytes: every product and lookup gives the same bits.
+Measured on a 2-core AMD EPYC (Zen 3) VM: the real Gemma 3 270M's decode step 8-9 % faster, its
+LM head 8-12 %, E2B int8 5 %, int4 3.5 % (a plain sequential sum of 2 GiB, `scripts/bandwidth_probe.py`,
+runs about as fast in either page size: the products' access pattern is what pays the walks). The
+values are the same bytes: every product and lookup gives the same bits. The price is the load,
+which reads those weights whole into fresh memory (`gemmalite.load`'s ``huge_pages``).
 """
 from __future__ import annotations
 

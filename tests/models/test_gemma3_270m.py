@@ -253,6 +253,21 @@ def test_the_thread_count_changes_no_number():
     np.testing.assert_array_equal(gemmalite.load("gemma3-270m", context=256, threads=2).logits(ids), one)
 
 
+def _same_logits(one, other, prompts) -> None:
+    """The logits of random prompts of these lengths, then of six greedy decode steps after a
+    38-token prompt, are the same bits in both models."""
+    for n in prompts:
+        ids = np.random.RandomState(n).randint(1000, 20000, size=n)
+        np.testing.assert_array_equal(one.logits(ids), other.logits(ids), err_msg=f"prompt of {n}")
+    pair = (one, other)
+    states = [m.engine.new_state() for m in pair]
+    tok = [int(np.argmax(m.engine.logits(m.engine.prefill(s, np.arange(2, 40)))[-1])) for m, s in zip(pair, states)]
+    for _ in range(6):
+        a, b = (m.engine.decode_step(s, t) for m, s, t in zip(pair, states, tok))
+        np.testing.assert_array_equal(a, b)
+        tok = [int(np.argmax(a))] * 2
+
+
 def test_q5_0_projections_expand_to_the_same_logits(model, tmp_path):
     """``gguf_q5_0``: the default ("auto": the 270M's Q5_0 projections take 66 MB as Q8_0, under
     Q5_0_AUTO_MAX) expands them to Q8_0 blocks, "blocks" keeps the file's; the logits of a prompt
@@ -266,15 +281,7 @@ def test_q5_0_projections_expand_to_the_same_logits(model, tmp_path):
     assert {w.qtype for layer in model.engine.graph.layers for w in (layer.q, layer.k, layer.gate, layer.up)} == {"Q8_0"}
     for m in (model, kept):
         m.engine.graph.compiled_step = True
-    for n in (100, 5):
-        ids = np.random.RandomState(n).randint(1000, 20000, size=n)
-        np.testing.assert_array_equal(model.logits(ids), kept.logits(ids), err_msg=f"prompt of {n}")
-    states = [m.engine.new_state() for m in (model, kept)]
-    tok = [int(np.argmax(m.engine.logits(m.engine.prefill(s, np.arange(2, 40)))[-1])) for m, s in zip((model, kept), states)]
-    for _ in range(6):
-        a, b = (m.engine.decode_step(s, t) for m, s, t in zip((model, kept), states, tok))
-        np.testing.assert_array_equal(a, b)
-        tok = [int(np.argmax(a))] * 2
+    _same_logits(model, kept, (100, 5))
     with pytest.raises(InputError, match="gguf_q5_0 must be one of"):
         gemmalite.load("gemma3-270m", gguf_q5_0="q8")
     with pytest.raises(InputError, match="for .gguf files"):
@@ -301,14 +308,7 @@ def test_huge_pages_move_what_a_step_streams_and_change_no_number(model):
     assert on_file(mapped) == {True} and on_file(moved) == {False}
     assert on_file(model) == {not pages.worth_it([model.engine.lm_head])}  # 0.2 GB: as offered on any test machine
     assert moved.engine.embed is moved.engine.lm_head  # the tied table: its lookups read the copy
-    ids = np.random.RandomState(7).randint(1000, 20000, size=70)
-    np.testing.assert_array_equal(moved.logits(ids), mapped.logits(ids))
-    states = [m.engine.new_state() for m in (mapped, moved)]
-    tok = [int(np.argmax(m.engine.logits(m.engine.prefill(s, np.arange(2, 40)))[-1])) for m, s in zip((mapped, moved), states)]
-    for _ in range(6):
-        a, b = (m.engine.decode_step(s, t) for m, s, t in zip((mapped, moved), states, tok))
-        np.testing.assert_array_equal(a, b)
-        tok = [int(np.argmax(a))] * 2
+    _same_logits(mapped, moved, (70,))
     for bad in ("yes", 1):
         with pytest.raises(InputError, match="huge_pages must be None, True or False"):
             gemmalite.load("gemma3-270m", huge_pages=bad)
