@@ -124,6 +124,8 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         raise InputError(f"gguf_q5_0 must be one of {GGUF_Q5_0}, got {gguf_q5_0!r}")
     if huge_pages is not None and not isinstance(huge_pages, bool):
         raise InputError(f"huge_pages must be None, True or False, got {huge_pages!r}")
+    if huge_pages and backend != "gemmalite":
+        raise InputError("huge_pages is for backend='gemmalite' (ONNX Runtime keeps the graph's weights itself)")
     if context is not None:
         inputs.integer(context, "context", 1)
     check_threads(threads)

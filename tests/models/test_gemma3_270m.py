@@ -312,3 +312,5 @@ def test_huge_pages_move_what_a_step_streams_and_change_no_number(model):
     for bad in ("yes", 1):
         with pytest.raises(InputError, match="huge_pages must be None, True or False"):
             gemmalite.load("gemma3-270m", huge_pages=bad)
+    with pytest.raises(InputError, match="huge_pages is for backend='gemmalite'"):
+        gemmalite.load("gemma3-270m", huge_pages=True, backend="onnxruntime")
