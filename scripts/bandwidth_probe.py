@@ -5,8 +5,8 @@ Decode reads every weight once per token, so ``bandwidth / weight bytes per toke
 fastest decode any runtime can reach here. This sums a large float32 array (default 2 GiB,
 far bigger than any cache) with a numba ``@njit(parallel=True)`` loop on ``--threads``
 threads and with numpy on one thread, and reports GB/s (1e9 bytes/s), the median of
-``--repeats`` passes after a warm-up pass. The numba sum runs twice: over an array in 4 KiB
-pages (numpy's own allocation) and over one in 2 MiB pages (anonymous memory that asks for
+``--repeats`` passes after a warm-up pass. The numba sum runs twice: over an array as numpy
+allocates it (4 KiB pages, unless the kernel's THP mode is ``always``) and over one in 2 MiB pages (anonymous memory that asks for
 transparent huge pages, as gemmalite's streamed weights do: `gemmalite.weights.pages`, where the
 kernel offers them); ``numba_parallel_gb_s``, the ceiling the benchmarks divide by, is the higher.
 
