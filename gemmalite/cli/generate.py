@@ -53,11 +53,15 @@ def load_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf's Q5_0 projections: expanded at load to Q8_0 blocks of the same values (int8: the "
                         "same logits, faster decode, 34 bytes a block instead of 22), kept (blocks), or expanded "
                         "when that takes at most 256 MiB (auto, the default)")
-    p.add_argument("--huge-pages", dest="huge_pages", choices=["auto", "on", "off"], default="auto",
-                   help="copy the weights each decode step streams into 2 MiB pages (same values, faster decode): "
-                        "where the kernel offers them (auto, the default), always (on), or keep them file-mapped (off)")
+    huge_pages_arg(p)
     backend_args(p)
     threads_arg(p)
+
+
+def huge_pages_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--huge-pages", dest="huge_pages", choices=list(HUGE_PAGES), default="auto",
+                   help="copy the weights each decode step streams into 2 MiB pages (same values, faster decode): "
+                        "where the kernel offers them (auto, the default), always (on), or keep them file-mapped (off)")
 
 
 def backend_args(p: argparse.ArgumentParser, what: str = "decoder graph", static: bool = True) -> None:

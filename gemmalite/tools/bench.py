@@ -45,7 +45,8 @@ def run_once(model, prompt_ids, new_tokens: int) -> tuple[float, float]:
 
 def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: int = 3, quant: str | None = None,
           context: int | None = None, progress: bool = True, seed: int = 0, threads: int | None = None,
-          backend: str = "gemmalite", providers: list | None = None, static_shapes: bool | None = None) -> dict[str, Any]:
+          backend: str = "gemmalite", providers: list | None = None, static_shapes: bool | None = None,
+          huge_pages: bool | None = None) -> dict[str, Any]:
     import numpy as np
     from tqdm import tqdm
 
@@ -58,7 +59,7 @@ def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: in
 
     exported = (Path(path) / MANIFEST).is_file()  # an ONNX export keeps the context it was written for
     model = gemmalite.load(path, context=context or (None if exported else max(prompt_tokens + new_tokens + 1, 256)),
-                           quant=quant, threads=threads, backend=backend,
+                           quant=quant, threads=threads, backend=backend, huge_pages=huge_pages,
                            **({} if backend == "gemmalite" else {"providers": providers, "static_shapes": static_shapes}))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
@@ -87,6 +88,7 @@ def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: in
         "new_tokens": new_tokens,
         "runs": runs,
         "threads": _threads(),
+        "huge_pages": {None: "auto", True: "on", False: "off"}[huge_pages],  # `load`'s setting
         "load_s": round(load_s, 3),
         "prefill_tok_s": round(prompt_tokens / statistics.median(pre), 2),
         "decode_tok_s": round(decode_tok_s, 2),
@@ -108,7 +110,7 @@ def _threads() -> int:
 def format_table(r: dict[str, Any]) -> str:
     rows = [
         ("model", r["model"]), ("backend", r.get("backend", "gemmalite")), ("weights", r["weights"] + ("" if r["quant"] else " (as stored)")), ("threads", r["threads"]),
-        ("load", f"{r['load_s']:.2f} s"),
+        ("2 MiB pages (--huge-pages)", r.get("huge_pages", "auto")), ("load", f"{r['load_s']:.2f} s"),
         (f"prefill ({r['prompt_tokens']} tokens)", f"{r['prefill_tok_s']:.1f} tok/s"),
         (f"decode ({r['new_tokens']} tokens)", f"{r['decode_tok_s']:.2f} tok/s"),
         ("peak RSS", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB"),

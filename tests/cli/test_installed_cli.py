@@ -115,8 +115,8 @@ def test_convert_bench_and_quant_mismatch(home, tiny):
     cfg = json.loads((home / "tiny-int8" / "config.json").read_text())
     assert cfg["quantization_config"]["tied_lm_head"] is True
     b = json.loads(gl(home, "bench", "tiny-int8", "--json", "--prompt-tokens", "8", "--new-tokens", "2",
-                      "--runs", "1", "--threads", "1").stdout)
-    assert b["weights"] == "int8" and b["quant"] is None and b["threads"] == 1
+                      "--runs", "1", "--threads", "1", "--huge-pages", "off").stdout)
+    assert b["weights"] == "int8" and b["quant"] is None and b["threads"] == 1 and b["huge_pages"] == "off"
     from gemmalite.tools.bench import format_table
 
     assert "int8 (as stored)" in format_table(b)
