@@ -172,8 +172,9 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         graph = _onnx_graph(p, cfg, ctx, providers, threads, static_shapes)
     else:
         w = build_weights(cfg, tensors, quant)
-        if backend == "gemmalite" and (huge_pages or (huge_pages is None and pages.worth_it(w.streamed()))):
-            pages.move(w.streamed())
+        streamed = w.streamed()
+        if backend == "gemmalite" and (huge_pages or (huge_pages is None and pages.worth_it(streamed))):
+            pages.move(streamed)
         embed, lm_head, ple_table = w.embed, w.lm_head, w.ple_table
         graph = _onnx_graph(w.graph, cfg, ctx, providers, threads, static_shapes) if backend == "onnxruntime" \
             else w.graph

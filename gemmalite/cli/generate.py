@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any
 
+from ..weights import pages
+
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
@@ -37,9 +39,6 @@ def use_threads(a: argparse.Namespace) -> None:
     limit_blas_threads(a.threads)
 
 
-HUGE_PAGES = {"auto": None, "on": True, "off": False}  # --huge-pages -> load(huge_pages=...)
-
-
 def load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder, .gguf file, or gemma3-270m (the bundled demo model)")
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
@@ -59,7 +58,7 @@ def load_args(p: argparse.ArgumentParser) -> None:
 
 
 def huge_pages_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--huge-pages", dest="huge_pages", choices=list(HUGE_PAGES), default="auto",
+    p.add_argument("--huge-pages", dest="huge_pages", choices=list(pages.SETTINGS), default="auto",
                    help="copy the weights each decode step streams into 2 MiB pages (same values, faster decode): "
                         "where the kernel offers them (auto, the default), always (on), or keep them file-mapped (off)")
 
@@ -86,7 +85,7 @@ def load_model(a: argparse.Namespace):
 
     return gemmalite.load(a.model, context=a.context, quant=a.quant, threads=a.threads, drafter=getattr(a, "drafter", None),
                           gguf_prefill=getattr(a, "gguf_prefill", "float"), gguf_q5_0=getattr(a, "gguf_q5_0", "auto"),
-                          huge_pages=HUGE_PAGES[getattr(a, "huge_pages", "auto")], **_backend_kwargs(a))
+                          huge_pages=pages.SETTINGS[getattr(a, "huge_pages", "auto")], **_backend_kwargs(a))
 
 
 def _backend_kwargs(a: argparse.Namespace) -> dict[str, Any]:

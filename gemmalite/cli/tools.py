@@ -5,7 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .generate import HUGE_PAGES, backend_args, huge_pages_arg, load_args, load_model, threads_arg, use_threads
+from ..weights import pages
+from .generate import backend_args, huge_pages_arg, load_args, load_model, threads_arg, use_threads
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -67,7 +68,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return 0
     r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
               context=a.context, progress=not a.json, threads=a.threads, backend=a.backend,
-              providers=a.providers, static_shapes=a.static_shapes, huge_pages=HUGE_PAGES[a.huge_pages])
+              providers=a.providers, static_shapes=a.static_shapes, huge_pages=pages.SETTINGS[a.huge_pages])
     print(json.dumps(r) if a.json else format_table(r))
     return 0
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..weights import pages
+
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every layer matrix, the PLE projection, the LM head."""
@@ -88,7 +90,7 @@ def bench(path: str, *, prompt_tokens: int = 128, new_tokens: int = 64, runs: in
         "new_tokens": new_tokens,
         "runs": runs,
         "threads": _threads(),
-        "huge_pages": {None: "auto", True: "on", False: "off"}[huge_pages],  # `load`'s setting
+        "huge_pages": next(k for k, v in pages.SETTINGS.items() if v is huge_pages),  # `load`'s setting
         "load_s": round(load_s, 3),
         "prefill_tok_s": round(prompt_tokens / statistics.median(pre), 2),
         "decode_tok_s": round(decode_tok_s, 2),

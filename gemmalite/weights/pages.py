@@ -30,6 +30,7 @@ MEMINFO = "/proc/meminfo"
 ALIGN = 64  # bytes: each array starts on a cache line
 CHUNK = 32 << 20  # bytes `Arena.copy` copies before it lets the source's pages go
 ROOM = 0.5  # `worth_it`: the copies may take at most this share of the memory the kernel calls available
+SETTINGS = {"auto": None, "on": True, "off": False}  # the CLI's --huge-pages -> `gemmalite.load`'s huge_pages
 
 
 def offered() -> bool:
@@ -57,12 +58,7 @@ def available() -> int | None:
 
 def streamed_bytes(matrices: Iterable[Matrix]) -> int:
     """Bytes of the arrays `move` would copy (each matrix and array once)."""
-    seen: dict[tuple[int, int], int] = {}
-    for m in {id(m): m for top in matrices for m in _matrices(top)}.values():
-        for a in vars(m).values():
-            if isinstance(a, np.ndarray):
-                seen[_key(a)] = a.nbytes
-    return sum(seen.values())
+    return sum(n for _, n in _groups(_all(matrices)))
 
 
 def worth_it(matrices: list[Matrix]) -> bool:
@@ -116,6 +112,24 @@ def _key(a: np.ndarray) -> tuple[int, int]:
     return a.__array_interface__["data"][0], a.nbytes
 
 
+def _all(matrices: Iterable[Matrix]) -> list[Matrix]:
+    """``matrices`` and the matrices they hold, each once."""
+    return list({id(m): m for top in matrices for m in _matrices(top)}.values())
+
+
+def _groups(mats: list[Matrix]) -> dict[tuple[int, int], list[tuple[Matrix, str]]]:
+    """The C-contiguous arrays of ``mats`` by their bytes' range `_key`, with the (matrix,
+    attribute) pairs that hold them; ranges that overlap another in part (`_tangled`) left out."""
+    groups: dict[tuple[int, int], list[tuple[Matrix, str]]] = {}
+    for m in mats:
+        for name, a in list(vars(m).items()):
+            if isinstance(a, np.ndarray) and a.flags.c_contiguous and a.nbytes:
+                groups.setdefault(_key(a), []).append((m, name))
+    for k in _tangled(list(groups)):  # part of another array (or holding one): both stay as they are
+        del groups[k]
+    return groups
+
+
 def _tangled(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
     """The byte ranges (start, length) among ``keys`` (distinct) that overlap another one."""
     out: set[tuple[int, int]] = set()
@@ -136,18 +150,10 @@ def move(matrices: Iterable[Matrix]) -> int:
     bytes seen otherwise (a bfloat16 matrix's uint16 bits, int4 scales' bits) follows its copy; one
     that overlaps another only in part, or is not C-contiguous, stays where it is. Cached operands
     are dropped (they held the old arrays). Returns the bytes moved."""
-    mats: dict[int, Matrix] = {}
-    for top in matrices:
-        for m in _matrices(top):
-            mats.setdefault(id(m), m)
-    groups: dict[tuple[int, int], list[tuple[Matrix, str]]] = {}
-    for m in mats.values():
+    mats = _all(matrices)
+    for m in mats:
         m.__dict__.pop("_operand", None)
-        for name, a in list(vars(m).items()):
-            if isinstance(a, np.ndarray) and a.flags.c_contiguous and a.nbytes:
-                groups.setdefault(_key(a), []).append((m, name))
-    for k in _tangled(list(groups)):  # part of another array (or holding one): both stay as they are
-        del groups[k]
+    groups = _groups(mats)
     arena = Arena(sum(-(-k[1] // ALIGN) * ALIGN for k in groups))
     moved = 0
     for key in list(groups):
