@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hf_oracle as H
 from conftest import random_ids
 from gemmalite.errors import InputError
+from gemmalite.kernels.numba_ops import top_ids
+from gemmalite.runtime.logprobs import token_logprob
 
 BASE = random_ids(12, 512, seed=3)
 REPEATING = BASE + random_ids(5, 512, seed=4) + BASE + BASE[:6]  # prompt lookup finds drafts in its reply
@@ -78,3 +82,23 @@ def test_logprobs_in_text_calls(model):
 def test_bad_logprobs(model, v):
     with pytest.raises(InputError, match="logprobs"):
         model.generate("Hi", logprobs=v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=60), st.integers(0, 20), st.data())
+def test_token_logprob_is_float64_log_softmax_ties_by_lower_id(values, top, data):
+    """Few distinct values (ties everywhere): the top ids are a stable argsort of -z cut at top."""
+    z = np.array(values, np.float32) * np.float32(0.75)
+    tok = data.draw(st.integers(0, len(values) - 1))
+    lp = token_logprob(z, tok, top)
+    want = _log_softmax(z)
+    order = np.argsort(-want, kind="stable")[:top]
+    assert lp.token == tok and [t for t, _ in lp.top] == order.tolist()
+    np.testing.assert_allclose([lp.logprob] + [v for _, v in lp.top], np.r_[want[tok], want[order]], rtol=0, atol=1e-12)
+
+
+def test_top_ids_over_a_whole_vocabulary():
+    z = np.random.default_rng(9).standard_normal(262_144).astype(np.float32)
+    z[[7, 70_000, 262_143]] = z.max()  # a three-way tie at the top
+    assert top_ids(z, 20).tolist() == np.argsort(-z, kind="stable")[:20].tolist()
+    assert top_ids(z[:5], 20).tolist() == np.argsort(-z[:5], kind="stable").tolist()

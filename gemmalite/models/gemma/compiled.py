@@ -265,7 +265,6 @@ def decode_layer(h, w, c, ple, cos, sin, pos, bounds, starts, rings, threads):  
     h = _plus(h, _norm(k, call1(w.down, (w.down, _gelu_mul(k, yg, yu))), w.ln_post_ff, eps))
     h = _ple(k, h, w.ple_gate, w.ple_proj, w.ple_norm, ple, c.index, eps)
     return _scaled(h, w.scalar)
-    return h
 
 
 class CompiledLayers:
