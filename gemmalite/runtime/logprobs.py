@@ -38,8 +38,8 @@ def logprobs_option(v) -> int | None:
 def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
     """log_softmax of one row of logits (in float64) at ``token``, and its ``top`` best ids (ties:
     the lower id first). The exponentials go into the calling thread's float64 scratch row: a
-    fresh 2 MB array a token cost more in page faults than the sum itself (5 -> 0.5 ms a token on
-    a 262,144-token vocabulary)."""
+    fresh 2 MB array a token cost more in page faults than the sum itself (3.2 -> 0.4 ms a token
+    on a 262,144-token vocabulary; 7.1 -> 0.5 ms with five top ids)."""
     z = np.asarray(logits)
     e = _scratch(z.shape[0])
     m = np.float64(z.max())
