@@ -4,6 +4,7 @@ here)."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 from llvmlite import binding as llvm
@@ -77,6 +78,21 @@ def compute_threads() -> int:
     `runtime.threads.compute` sets per step (the BLAS tiles and the full-context attention's split
     take it)."""
     return get_num_threads()
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(n: int, dtype=np.float32) -> np.ndarray:
+    """``n`` values of ``dtype`` the calling thread reuses (grown on demand, one buffer per dtype):
+    per thread, so two requests computing at once never share one, and reused, so a hot path pays
+    no page faults on fresh memory (the prefill's BLAS tiles, each token's log-probabilities)."""
+    key = np.dtype(dtype).str
+    buf = getattr(_SCRATCH, key, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n, dtype=dtype)
+        setattr(_SCRATCH, key, buf)
+    return buf[:n]
 
 
 def aligned_empty(shape: int | tuple[int, ...], dtype) -> np.ndarray:

@@ -3,16 +3,15 @@ before the grammar's mask, penalties and temperature: the model's own distributi
 OpenAI's ``logprobs`` reports it)."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..kernels.common import scratch
 from ..kernels.numba_ops import top_ids
 from . import inputs
 
 MAX_TOP_LOGPROBS = 20
-_SCRATCH = threading.local()  # per thread: requests computing at once never share it
 
 
 @dataclass(frozen=True)
@@ -41,17 +40,10 @@ def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
     fresh 2 MB array a token cost more in page faults than the sum itself (3.2 -> 0.4 ms a token
     on a 262,144-token vocabulary; 7.1 -> 0.5 ms with five top ids)."""
     z = np.asarray(logits)
-    e = _scratch(z.shape[0])
+    e = scratch(z.shape[0], np.float64)
     m = np.float64(z.max())
     np.subtract(z, m, out=e, dtype=np.float64)
     np.exp(e, out=e)
     lse = m + np.log(e.sum())
     best = [(int(i), float(np.float64(z[i]) - lse)) for i in top_ids(z, top)] if top else []
     return TokenLogprob(int(token), float(np.float64(z[token]) - lse), best)
-
-
-def _scratch(n: int) -> np.ndarray:
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.shape[0] < n:
-        buf = _SCRATCH.buf = np.empty(n, np.float64)
-    return buf[:n]

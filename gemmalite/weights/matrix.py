@@ -14,7 +14,6 @@ tokenization or sampling.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,16 +30,6 @@ try:  # bfloat16 is only a storage format here; math is float32
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
-_scratch = threading.local()
-
-
-def _scratch_buffer(n: int) -> np.ndarray:
-    """A float32 buffer reused by the prefill products of the calling thread (grown on demand):
-    per thread, so that two requests computing at once never share it."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _scratch.buf = np.empty(n, dtype=np.float32)
-    return buf[:n]
 
 
 FAULT_AROUND = 64 * 1024  # bytes the kernel maps around a faulting page of a cached file (its default)
@@ -246,7 +235,7 @@ class Matrix:
         k = self.shape[1]
 
         def tile(r0: int, r1: int) -> np.ndarray:
-            blk = _scratch_buffer((r1 - r0) * k).reshape(-1, k)
+            blk = common.scratch((r1 - r0) * k).reshape(-1, k)
             self._dequant_range(r0, blk)
             return blk
 
