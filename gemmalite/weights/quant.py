@@ -489,6 +489,12 @@ class Int4Matrix(_Quantized):
         return self._tiles and common.HAVE_VNNI and self.shape[1] % LANE_GROUP == 0
 
     @property
+    def uses_blas(self) -> bool:
+        """Prefill takes the W4A8 tiles where they apply (then no product of this matrix calls BLAS,
+        and a prompt's attention can run in numba's pool: `DecoderGraph`), else dequantize + BLAS."""
+        return not self._tiles
+
+    @property
     def independent_rows(self) -> bool:
         return self._tiles
 

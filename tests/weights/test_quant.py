@@ -501,3 +501,27 @@ def test_int4_symmetric_matmul(path, monkeypatch):
                 monkeypatch.setattr(common, "HAVE_VNNI", path == "vnni")
             if t <= 11:
                 np.testing.assert_array_equal(m.matmul_each(x), np.concatenate([m.matmul(x[i:i + 1]) for i in range(t)]))
+
+
+@pytest.mark.parametrize("fmt", ["int4s", "int4s-odd", "int4", "int4s-portable", "int8", "int8-odd"])
+def test_uses_blas_says_whether_a_prompt_calls_blas(fmt, monkeypatch):
+    """``uses_blas`` (what `DecoderGraph` reads to run a prompt's attention in numba's pool, not beside
+    BLAS) must be true exactly when a many-row product goes to BLAS: the symmetric int4 tiles never
+    do (the attribute was once left at Matrix's True, and every int4 prompt took the slower BLAS
+    attention: E2B 512 tokens 0.45 s of attention against 0.18)."""
+    if not common.HAVE_AVX2:
+        pytest.skip("no AVX2 on this CPU: every quantized prompt goes to BLAS")
+    odd = fmt.endswith("-odd")  # int4: an odd number of blocks of 32; int8: not whole TILE_BLOCKs (no tiles)
+    if fmt.startswith("int8"):
+        m = Int8Matrix.quantize(_w(24, TILE_BLOCK + 32 if odd else 2 * TILE_BLOCK, seed=3))
+    else:
+        m = Int4Matrix.quantize(_w(24, 96 if odd else 320, seed=3), symmetric=fmt.startswith("int4s"))
+    if fmt.endswith("-portable"):
+        monkeypatch.setattr(common, "HAVE_AVX2", False)
+    calls = []
+    real = blas.products
+    monkeypatch.setattr(blas, "products", lambda *a: calls.append(1) or real(*a))
+    x = np.random.default_rng(0).standard_normal((quant.INT4_SHORT_ROWS + 9, m.shape[1])).astype(np.float32)
+    m.matmul(x)
+    assert m.uses_blas == m.uses_blas_for(x.shape[0]) == bool(calls), (fmt, m.uses_blas, len(calls))
+    assert m.uses_blas == (fmt not in ("int4s", "int8"))
