@@ -31,7 +31,6 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
 
-
 FAULT_AROUND = 64 * 1024  # bytes the kernel maps around a faulting page of a cached file (its default)
 
 

@@ -499,9 +499,7 @@ class Int4Matrix(_Quantized):
         return self._tiles
 
     def uses_blas_for(self, rows: int) -> bool:
-        if self._tiles:
-            return False
-        return rows > (INT4_SHORT_ROWS if common.HAVE_AVX2 else common.FEW_ROWS)
+        return self.uses_blas and rows > (INT4_SHORT_ROWS if common.HAVE_AVX2 else common.FEW_ROWS)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = self._check(x)
