@@ -140,7 +140,7 @@ class VisionTower:
             v = rms_norm(layer.v(h).reshape(n, kv, D), None, eps)
             # an image's full attention over thousands of patches at a small head size runs ~4x
             # faster in BLAS than in the blocked numba kernel (768x768 image, int8: 3.8 s vs 16 s)
-            a = attention(q, k, v, *everyone, None, 1.0, blas_free=False)
+            a = attention(q, k, v, *everyone, None, 1.0, blas=True)
             x = x + rms_norm(layer.o(a), ln_post_attn, eps)
             h = rms_norm(x, ln_pre_ff, eps)
             m = layer.down(gelu_tanh_mul(layer.gate(h), layer.up(h)))

@@ -130,7 +130,7 @@ class Matrix:
     """Base class: a 2-D weight of shape ``(rows, cols)`` = ``(out, in)``."""
 
     shape: tuple[int, int]
-    uses_blas = True  # do products of many rows (prefill) call BLAS? (see DecoderGraph)
+    uses_blas = True  # do products of many rows (prefill) call BLAS?
     # Does a product of more than FEW_ROWS rows compute each row as it would among any other
     # rows (so several sequences' prompts can share one product and get their own numbers)?
     # Not through BLAS, whose blocking may depend on the row count.

@@ -19,7 +19,7 @@ def test_numba_attention_matches_batched(t, window, monkeypatch):
     q_pos = np.arange(n - t, n, dtype=np.int64)
     fast = kernels.attention(q, k, v, q_pos, k_pos, window, 0.25)
     monkeypatch.setattr(common, "FEW_ROWS", 0)
-    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.25, blas_free=False)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.25, blas=True)
     np.testing.assert_allclose(fast, ref, rtol=2e-5, atol=2e-6)
     # a query that sees nothing but masked slots still gives finite numbers
     monkeypatch.setattr(common, "FEW_ROWS", 4)
@@ -49,7 +49,7 @@ def test_blocked_attention_matches_batched(t, past, window, causal):
     k_pos = k_pos[rng.permutation(n)] if past else k_pos  # a wrapped ring: slots out of order
     q_pos = np.arange(past, past + t, dtype=np.int64)
     fast = kernels.attention(q, k, v, q_pos, k_pos, window, 0.3, causal=causal)
-    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.3, blas_free=False, causal=causal)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.3, blas=True, causal=causal)
     np.testing.assert_allclose(fast, ref, rtol=2e-5, atol=3e-6)
     # float64 softmax of the same inputs: both float32 paths are close to it
     q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
@@ -77,7 +77,7 @@ def test_blocked_attention_skips_blocks_out_of_reach():
     q, k, v = _qkv(rng, t, n, nq, kv, d)
     k_pos = np.arange(n, dtype=np.int64)
     q_pos = np.arange(old, n, dtype=np.int64)
-    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.5, blas_free=False)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, window, 0.5, blas=True)
     cut = (old - window) // KEY_BLOCK * KEY_BLOCK  # blocks wholly before the first window
     k[:cut] = np.nan
     v[:cut] = np.nan
@@ -104,7 +104,7 @@ def test_blocked_bidirectional_attention_skips_blocks_out_of_reach():
     q, k, v = _qkv(rng, q1 - q0, n, nq, kv, d)
     k_pos = np.arange(n, dtype=np.int64)
     q_pos = np.arange(q0, q1, dtype=np.int64)
-    ref = kernels.attention(q, k, v, q_pos, k_pos, radius, 0.5, blas_free=False, causal=False)
+    ref = kernels.attention(q, k, v, q_pos, k_pos, radius, 0.5, blas=True, causal=False)
     k[: 3 * KEY_BLOCK], v[: 3 * KEY_BLOCK] = np.nan, np.nan
     k[5 * KEY_BLOCK :], v[5 * KEY_BLOCK :] = np.nan, np.nan
     fast = kernels.attention(q, k, v, q_pos, k_pos, radius, 0.5, causal=False)

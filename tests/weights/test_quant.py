@@ -505,10 +505,9 @@ def test_int4_symmetric_matmul(path, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int4s", "int4s-odd", "int4", "int4s-portable", "int8", "int8-odd"])
 def test_uses_blas_says_whether_a_prompt_calls_blas(fmt, monkeypatch):
-    """``uses_blas`` (what `DecoderGraph` reads to run a prompt's attention in numba's pool, not beside
-    BLAS) must be true exactly when a many-row product goes to BLAS: the symmetric int4 tiles never
-    do (the attribute was once left at Matrix's True, and every int4 prompt took the slower BLAS
-    attention: E2B 512 tokens 0.45 s of attention against 0.18)."""
+    """``uses_blas`` must be true exactly when a many-row product goes to BLAS: the symmetric int4
+    tiles never do (the attribute was once left at Matrix's True, and since the decoder then chose
+    its prompts' attention by it, every int4 prompt took the slower BLAS attention)."""
     if not common.HAVE_AVX2:
         pytest.skip("no AVX2 on this CPU: every quantized prompt goes to BLAS")
     odd = fmt.endswith("-odd")  # int4: an odd number of blocks of 32; int8: not whole TILE_BLOCKs (no tiles)

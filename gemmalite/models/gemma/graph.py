@@ -68,8 +68,6 @@ class DecoderGraph:
         self.final_norm = final_norm
         self.ple = ple
         self._inv_freq = {s.rope: s.rope.inv_freq() for s in cfg.layers}
-        # one thread pool per prefill: numba attention only if no product goes to BLAS
-        self._blas_free = not any(m.uses_blas for w in layers for m in w.matrices())
         self.compiled_step = True  # decode steps run `compiled.decode_layer` where they qualify (tests compare both)
         self._compiled = CompiledLayers(cfg, layers)
 
@@ -228,8 +226,7 @@ class DecoderGraph:
                 else:
                     kv = g.shared[spec.kv_source]
                 mine = g.rows if keep is None or len(groups) == 1 else _kept_of(keep, g.rows, pos.shape[0])
-                outs.append(attention(q[mine], kv[0], kv[1], qpos[mine], kv[2], window, cfg.attn_scale,
-                                      self._blas_free))
+                outs.append(attention(q[mine], kv[0], kv[1], qpos[mine], kv[2], window, cfg.attn_scale))
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
         return layer_step(cfg, spec, w, h, None if ple is None else ple[:, spec.index, :], rope, attend, each,
