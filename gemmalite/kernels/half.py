@@ -1,13 +1,17 @@
-"""Products with bfloat16 / float16 weights read in place (2 bytes per weight), as LLVM IR.
+"""Products with weights read in place and widened to float32 in registers, as LLVM IR:
+bfloat16 / float16 (2 bytes per weight), and GGML's Q8_0 / Q5_0 blocks in short prompts.
 
 Two tile kernels (``numba.extending.intrinsic``), both for ``rows x tokens`` tiles of
 ``out = x @ w.T`` over the first ``ncols`` columns (a multiple of CHUNK; the callers add the
 rest), each (row, token) summed in vector lanes and reduced once at the end:
 
 * `half_rows_dot`: float32 activations, each weight widened to float32 in registers as it
-  is loaded (bfloat16: a 16-bit shift; float16: ``vcvtph2ps``), one FMA per value. Plain
-  vector IR, no target intrinsic: it runs on every CPU LLVM targets. Decode (memory-bound)
-  and the portable prefill path.
+  is loaded (bfloat16: a 16-bit shift; float16: ``vcvtph2ps``; Q8_0 / Q5_0: the integer value
+  converted and multiplied by its block's float16 scale, a product float32 holds exactly, so
+  the weight is the dequantized one to the bit, and a Q5_0 matrix and its Q8_0 expansion give
+  the same bits), one FMA per value. Plain vector IR, no target intrinsic: it runs on every CPU
+  LLVM targets. Decode (memory-bound) and the portable prefill path of half weights; GGUF
+  prompts of FEW_ROWS to FUSED_MAX_T rows (`weights.ggml`).
 * `bf16_dot_tile`: ``vdpbf16ps`` (AVX-512 BF16: 32 bfloat16 products summed pairwise into
   16 float32 lanes per instruction, twice a float32 FMA's work) against activations rounded
   to bfloat16 (relative error <= 2^-9 per value: the size of the weights' own rounding).
@@ -27,9 +31,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .common import EXACT, FAST, among, bf2f, either, h2f, literal_ladder
-from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _vec
+from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _splat, _vec
 
-CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps)
+CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps; a Q8_0 block)
+KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0 = 0, 1, 2, 3  # the weights' kinds (`half_rows_dot`, `half_matmul`)
+Q8_0_BLOCK, Q5_0_BLOCK = 34, 22  # bytes of a GGML block of 32 values
 
 _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -51,16 +57,41 @@ def _dpbf16(builder):
                                           "llvm.x86.avx512bf16.dpbf16ps.512")
 
 
+def _block_widen(builder, w, c, h: int, mode: str):
+    """Values ``c + 16 h .. + 15`` of a GGML row as float32, ``float32(d) * q``: exact (an 11-bit
+    scale times an 8- or 5-bit integer), so the very weights the reference dequantizer gives.
+    Q8_0 blocks: a float16 scale, 32 int8 values. Q5_0: a float16 scale, 4 bytes of fifth bits
+    (bit ``j`` for value ``j``), 16 bytes of nibbles (value ``j`` low, ``j + 16`` high), values
+    ``n - 16``."""
+    i32x16 = _vec(_I32, 16)
+    size = Q8_0_BLOCK if mode == "q8_0" else Q5_0_BLOCK
+    at = builder.mul(builder.lshr(c, _c64(5)), _c64(size))
+    d = builder.load(builder.bitcast(builder.gep(w, [at], inbounds=True), ir.HalfType().as_pointer()), align=1)
+    if mode == "q8_0":
+        q = builder.sext(_load_vec(builder, w, builder.add(at, _c64(2 + 16 * h)), _vec(ir.IntType(8), 16)), i32x16)
+    else:
+        qh = builder.load(builder.bitcast(builder.gep(w, [builder.add(at, _c64(2))], inbounds=True),
+                                          _I32.as_pointer()), align=1)
+        qs = builder.zext(_load_vec(builder, w, builder.add(at, _c64(6)), _vec(ir.IntType(8), 16)), i32x16)
+        def splat(v):
+            return ir.Constant(i32x16, [v] * 16)
+        low = builder.and_(qs, splat(15)) if h == 0 else builder.lshr(qs, splat(4))
+        bit = builder.and_(builder.lshr(_splat(builder, qh, 16), ir.Constant(i32x16, list(range(16 * h, 16 * h + 16)))),
+                           splat(1))
+        q = builder.sub(builder.or_(low, builder.shl(bit, splat(4))), splat(16))
+    return builder.fmul(builder.sitofp(q, _vec(_F32, 16)), _splat(builder, builder.fpext(d, _F32), 16), flags=_EXACT)
+
+
 def _tile_codegen(nrows: int, ntok: int, mode: str):
     """IR of one tile. ``mode`` "bf16" / "f16": arguments ``(w uint16 [R, C], x float32 [T, C],
-    r0, t0, out float32 [T, R], ncols)``; "dp": ``(w, xb uint16 [T, C], r0, t0, out, ncols)``.
-    Stores ``out[t0 + j, r0 + i]``."""
+    r0, t0, out float32 [T, R], ncols)``; "q8_0" / "q5_0": the same with ``w`` uint8 GGML rows; "dp":
+    ``(w, xb uint16 [T, C], r0, t0, out, ncols)``. Stores ``out[t0 + j, r0 + i]``."""
     dp = mode == "dp"
 
     def codegen(builder, wa, xa, r0, t0, oa, ncols):
-        n, k = wa.shape
+        n = wa.shape[0]
         rows, toks = _span(builder, r0, nrows), _span(builder, t0, ntok)
-        wrow, xrow = wa.rows(builder, rows), xa.rows(builder, toks, k)
+        wrow, xrow = wa.rows(builder, rows), xa.rows(builder, toks)
         nacc = 1 if dp else 2  # float32 mode: the two 16-lane halves of a chunk in lanes of their own
         entry, head, body, done = _open_loop(builder, "halftile")
         c = builder.phi(_I64)
@@ -83,7 +114,10 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
         else:
             for h in range(2):
                 off = builder.add(c, _c64(16 * h))
-                ws = [_widen(builder, _load_vec(builder, w, off, _vec(_I16, 16)), mode == "bf16") for w in wrow]
+                if mode in ("q8_0", "q5_0"):
+                    ws = [_block_widen(builder, w, c, h, mode) for w in wrow]
+                else:
+                    ws = [_widen(builder, _load_vec(builder, w, off, _vec(_I16, 16)), mode == "bf16") for w in wrow]
                 xs = [_load_vec(builder, x, off, _vec(_F32, 16)) for x in xrow]
                 for j in range(ntok):
                     for i in range(nrows):
@@ -104,15 +138,18 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
 
 
 @intrinsic
-def half_rows_dot(typingctx, w, x, r0, t0, out, ncols, bf16, nrows, ntok):
+def half_rows_dot(typingctx, w, x, r0, t0, out, ncols, kind, nrows, ntok):
     """``out[t, r] = sum_{c < ncols} x[t, c] * float32(w[r, c])`` for rows ``r0 .. r0 + nrows - 1``
-    and tokens ``t0 .. t0 + ntok - 1``: ``w`` uint16 bits of bfloat16 (``bf16`` 1) or float16
-    (0), ``x`` float32, ``out`` float32 ``[T, R]``, all C-contiguous; ``ncols`` a multiple of
-    CHUNK; ``bf16``, ``nrows`` (1-8) and ``ntok`` (1-8) literals."""
-    if not (_literal(bf16, (0, 1)) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
+    and tokens ``t0 .. t0 + ntok - 1``: ``w`` uint16 bits of float16 (``kind`` KIND_F16), bfloat16
+    (KIND_BF16), or uint8 GGML Q8_0 / Q5_0 rows (KIND_Q8_0 / KIND_Q5_0), ``x`` float32, ``out``
+    float32 ``[T, R]``, all C-contiguous; ``ncols`` a multiple of CHUNK; ``kind``, ``nrows`` (1-8) and ``ntok`` (1-8)
+    literals."""
+    kinds = (KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0)
+    if not (_literal(kind, kinds) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
-    inner = _tile_codegen(nrows.literal_value, ntok.literal_value, "bf16" if bf16.literal_value else "f16")
-    return types.void(w, x, r0, t0, out, ncols, bf16, nrows, ntok), _codegen(inner, 6)
+    mode = {KIND_F16: "f16", KIND_BF16: "bf16", KIND_Q8_0: "q8_0", KIND_Q5_0: "q5_0"}[kind.literal_value]
+    inner = _tile_codegen(nrows.literal_value, ntok.literal_value, mode)
+    return types.void(w, x, r0, t0, out, ncols, kind, nrows, ntok), _codegen(inner, 6)
 
 
 @intrinsic
@@ -169,20 +206,23 @@ def _tail(x, w, t, r, c0, bf16):  # pragma: no cover - compiled
 # `half_rows_dot` for rows ``r ..`` (4 if ``four``, else 1) x ``nt`` (1-3) tokens: the intrinsic wants
 # literal sizes.
 _f32_tile = literal_ladder(
-    "_f32_tile(w, x, r, t0, nt, out, ncols, bf16, four)", "half_rows_dot(w, x, r, t0, out, ncols, {B}, {R}, {T})",
-    dict(half_rows_dot=half_rows_dot), B=either("bf16", 1, 0), R=either("four", 4, 1), T=among("nt", 3, 2, 1))
+    "_f32_tile(w, x, r, t0, nt, out, ncols, kind, four)", "half_rows_dot(w, x, r, t0, out, ncols, {K}, {R}, {T})",
+    dict(half_rows_dot=half_rows_dot), K=among("kind", KIND_Q8_0, KIND_Q5_0, KIND_BF16, KIND_F16),
+    R=either("four", 4, 1), T=among("nt", 3, 2, 1))
 
 
 @njit(parallel=True, **FAST)
-def half_matmul(x, w, bf16, rows, out):  # pragma: no cover - compiled
-    """``out = x @ float32(w).T`` for float32 ``x [T, C]`` and half bits ``w [R, C]`` (bfloat16 if
-    ``bf16``, else float16): every token count, decode to prefill. Tiles of 4 rows x 3 tokens,
+def half_matmul(x, w, kind, rows, out):  # pragma: no cover - compiled
+    """``out = x @ float32(w).T`` for float32 ``x [T, C]`` and ``w`` half bits ``[R, C]`` (``kind``
+    KIND_BF16 or KIND_F16) or GGML rows (KIND_Q8_0 / KIND_Q5_0: ``[R, C / 32 * 34 or 22]`` bytes, C a
+    multiple of 32): every
+    token count, decode to prefill. Tiles of 4 rows x 3 tokens,
     a task per 4-row strip (``rows`` 4; 1: a task per row, see ONE_ROW_COLS) (its weights stay in L1 while the tokens pass), tokens by blocks of
     TOKEN_BLOCK (their activations stay in L2; the weights are read once per block). Each
     (row, token) takes the same operations whatever the tile: a row's result is bit for bit
     its one-row product."""
-    R, C = w.shape
-    T = x.shape[0]
+    R = w.shape[0]
+    T, C = x.shape
     main = C - C % CHUNK
     step = _block(T)
     for tb in range(0, T, step):
@@ -194,15 +234,15 @@ def half_matmul(x, w, bf16, rows, out):  # pragma: no cover - compiled
             while t0 < te:
                 nt = _tile_len(te - t0, F32_TOKENS)
                 if four:
-                    _f32_tile(w, x, r, t0, nt, out, main, bf16, True)
+                    _f32_tile(w, x, r, t0, nt, out, main, kind, True)
                 else:
                     for i in range(r, min(R, r + rows)):
-                        _f32_tile(w, x, i, t0, nt, out, main, bf16, False)
+                        _f32_tile(w, x, i, t0, nt, out, main, kind, False)
                 t0 += nt
-            if main < C:
+            if main < C:  # (half weights only: GGML rows are whole blocks of 32)
                 for t in range(tb, te):
                     for i in range(r, min(R, r + rows)):
-                        out[t, i] += _tail(x, w, t, i, main, bf16)
+                        out[t, i] += _tail(x, w, t, i, main, kind == KIND_BF16)
 
 
 @njit(inline="always", **FAST)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..kernels import blas, common
-from ..kernels.half import ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
+from ..kernels.half import KIND_BF16, KIND_F16, ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
 from ..kernels.numba_ops import matmul_tiles
 from .operands import F32Op, HalfOp, products_each, run_product, with_kernel
 
@@ -335,7 +335,7 @@ class HalfMatrix(Matrix):
         if isinstance(p, Prepared) and p.kind == "bf16" and self._dot(x.shape[0]):
             bf16_matmul(p.data, self._bits, out)
         else:
-            half_matmul(x, self._bits, self._bf16, self._rows_per_task(x.shape[0]), out)
+            half_matmul(x, self._bits, KIND_BF16 if self._bf16 else KIND_F16, self._rows_per_task(x.shape[0]), out)
         return out
 
     def _rows_per_task(self, t: int) -> int:

@@ -29,7 +29,7 @@ from ..kernels.calls import F32_2D, Kernel, kernel
 from ..kernels.ggml import (_KINDS, KERNELS, W, block_mvn_w8a16, block_w8a16_task, group_isums, kquant_mvn_w8a16,
                             kquant_w8a16_task)
 from ..kernels.half import ROWS as HALF_ROWS
-from ..kernels.half import half_matmul
+from ..kernels.half import KIND_BF16, KIND_F16, half_matmul
 from ..kernels.int4s import ROW_BLOCK, activation_pairs, i4s_mvn_w4a8, i4s_task
 from ..kernels.numba_ops import f32_matmul_small
 from ..kernels.quant import group_sums, i4_mv1, i4_mvn_w4a16, i8_mv1, i8_mvn_w8a16, i8_w8a16_task
@@ -175,7 +175,7 @@ def _product(op, x):
         def half(op, x):
             t = x.shape[0]
             out = np.empty((t, op.w.shape[0]), np.float32)
-            half_matmul(x, op.w, op.bf16, 1 if t <= FEW and op.short else HALF_ROWS, out)
+            half_matmul(x, op.w, KIND_BF16 if op.bf16 else KIND_F16, 1 if t <= FEW and op.short else HALF_ROWS, out)
             return out
         return half
     if c is Int8Op:

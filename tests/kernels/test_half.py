@@ -121,3 +121,35 @@ print("ok")
            "GEMMALITE_BF16_DOT": "0"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("cols", [32, 64, 1056])  # one block; two; 33
+@pytest.mark.parametrize("t", [1, 5, half.TOKEN_BLOCK + 5])
+def test_ggml_tiles_are_float32_math_on_the_dequantized_weights(name, cols, t):
+    """GGML Q8_0 / Q5_0 rows (``kind`` KIND_Q8_0 / KIND_Q5_0): each weight widened to ``float32(d) *
+    q``, exactly gguf-py's dequantized value, so the products are float64 math on gguf-py's weights
+    to float32 accumulation error; ragged strips (333 rows) and token tiles; a row's result does
+    not depend on the rows computed beside it (a block of zeros: a zero scale)."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(cols + t)
+    w = (rng.standard_normal((333, cols)) * rng.uniform(0.01, 3.0, (333, 1))).astype(np.float32)
+    w[5, :32] = 0.0
+    qt = GGMLQuantizationType[name]
+    raw = np.ascontiguousarray(quants.quantize(w, qt)).view(np.uint8).reshape(333, -1)
+    ref_w = quants.dequantize(raw, qt).reshape(333, cols).astype(np.float64)
+    x = rng.standard_normal((t, cols)).astype(np.float32)
+    kind = half.KIND_Q8_0 if name == "Q8_0" else half.KIND_Q5_0
+
+    def product(xs):
+        out = np.full((xs.shape[0], 333), np.nan, np.float32)
+        half.half_matmul(xs, raw, kind, half.ROWS, out)
+        return out
+
+    got = product(x)
+    x64 = x.astype(np.float64)
+    err, bound = np.abs(got - x64 @ ref_w.T), 1e-5 * (np.abs(x64) @ np.abs(ref_w).T) + 1e-30
+    assert np.all(err <= bound), float(np.max(err / bound))
+    for part in (slice(0, 1), slice(t // 2, t), slice(t - 1, t)):
+        np.testing.assert_array_equal(product(x[part]), got[part], err_msg=str(part))
