@@ -28,7 +28,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .common import EXACT, FAST, among, bf2f, either, h2f, literal_ladder
 from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _splat, _vec
@@ -57,6 +57,11 @@ def _dpbf16(builder):
                                           "llvm.x86.avx512bf16.dpbf16ps.512")
 
 
+def _ints(v: int):
+    """``<16 x i32>`` of ``v``."""
+    return ir.Constant(_vec(_I32, 16), [v] * 16)
+
+
 def _block_widen(builder, w, c, h: int, mode: str):
     """Values ``c + 16 h .. + 15`` of a GGML row as float32, ``float32(d) * q``: exact (an 11-bit
     scale times an 8- or 5-bit integer), so the very weights the reference dequantizer gives.
@@ -73,12 +78,9 @@ def _block_widen(builder, w, c, h: int, mode: str):
         qh = builder.load(builder.bitcast(builder.gep(w, [builder.add(at, _c64(2))], inbounds=True),
                                           _I32.as_pointer()), align=1)
         qs = builder.zext(_load_vec(builder, w, builder.add(at, _c64(6)), _vec(ir.IntType(8), 16)), i32x16)
-        def splat(v):
-            return ir.Constant(i32x16, [v] * 16)
-        low = builder.and_(qs, splat(15)) if h == 0 else builder.lshr(qs, splat(4))
-        bit = builder.and_(builder.lshr(_splat(builder, qh, 16), ir.Constant(i32x16, list(range(16 * h, 16 * h + 16)))),
-                           splat(1))
-        q = builder.sub(builder.or_(low, builder.shl(bit, splat(4))), splat(16))
+        low = builder.and_(qs, _ints(15)) if h == 0 else builder.lshr(qs, _ints(4))
+        fifth = builder.lshr(_splat(builder, qh, 16), ir.Constant(i32x16, list(range(16 * h, 16 * h + 16))))
+        q = builder.sub(builder.or_(low, builder.shl(builder.and_(fifth, _ints(1)), _ints(4))), _ints(16))
     return builder.fmul(builder.sitofp(q, _vec(_F32, 16)), _splat(builder, builder.fpext(d, _F32), 16), flags=_EXACT)
 
 
@@ -142,8 +144,8 @@ def half_rows_dot(typingctx, w, x, r0, t0, out, ncols, kind, nrows, ntok):
     """``out[t, r] = sum_{c < ncols} x[t, c] * float32(w[r, c])`` for rows ``r0 .. r0 + nrows - 1``
     and tokens ``t0 .. t0 + ntok - 1``: ``w`` uint16 bits of float16 (``kind`` KIND_F16), bfloat16
     (KIND_BF16), or uint8 GGML Q8_0 / Q5_0 rows (KIND_Q8_0 / KIND_Q5_0), ``x`` float32, ``out``
-    float32 ``[T, R]``, all C-contiguous; ``ncols`` a multiple of CHUNK; ``kind``, ``nrows`` (1-8) and ``ntok`` (1-8)
-    literals."""
+    float32 ``[T, R]``, all C-contiguous; ``ncols`` a multiple of CHUNK; ``kind``, ``nrows`` (1-8)
+    and ``ntok`` (1-8) literals."""
     kinds = (KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0)
     if not (_literal(kind, kinds) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
@@ -204,23 +206,36 @@ def _tail(x, w, t, r, c0, bf16):  # pragma: no cover - compiled
 
 
 # `half_rows_dot` for rows ``r ..`` (4 if ``four``, else 1) x ``nt`` (1-3) tokens: the intrinsic wants
-# literal sizes.
-_f32_tile = literal_ladder(
-    "_f32_tile(w, x, r, t0, nt, out, ncols, kind, four)", "half_rows_dot(w, x, r, t0, out, ncols, {K}, {R}, {T})",
-    dict(half_rows_dot=half_rows_dot), K=among("kind", KIND_Q8_0, KIND_Q5_0, KIND_BF16, KIND_F16),
-    R=either("four", 4, 1), T=among("nt", 3, 2, 1))
+# literal sizes. One ladder per weight dtype (`_f32_tile` picks it while typing), so that a kernel
+# compiles only its own kinds' tiles.
+_TILE = ("_{N}(w, x, r, t0, nt, out, ncols, kind, four)", "half_rows_dot(w, x, r, t0, out, ncols, {K}, {R}, {T})")
+_SIZES = dict(R=either("four", 4, 1), T=among("nt", 3, 2, 1))
+_half_tile = literal_ladder(_TILE[0].format(N="half_tile"), _TILE[1], dict(half_rows_dot=half_rows_dot),
+                            K=among("kind", KIND_BF16, KIND_F16), **_SIZES)
+_ggml_tile = literal_ladder(_TILE[0].format(N="ggml_tile"), _TILE[1], dict(half_rows_dot=half_rows_dot),
+                            K=among("kind", KIND_Q8_0, KIND_Q5_0), **_SIZES)
+
+
+def _f32_tile(w, x, r, t0, nt, out, ncols, kind, four):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_f32_tile)
+def _f32_tile_impl(w, x, r, t0, nt, out, ncols, kind, four):
+    """`_half_tile` for uint16 weights (half bits), `_ggml_tile` for uint8 ones (GGML rows)."""
+    tile = _ggml_tile if w.dtype == types.uint8 else _half_tile
+    return lambda w, x, r, t0, nt, out, ncols, kind, four: tile(w, x, r, t0, nt, out, ncols, kind, four)
 
 
 @njit(parallel=True, **FAST)
 def half_matmul(x, w, kind, rows, out):  # pragma: no cover - compiled
     """``out = x @ float32(w).T`` for float32 ``x [T, C]`` and ``w`` half bits ``[R, C]`` (``kind``
-    KIND_BF16 or KIND_F16) or GGML rows (KIND_Q8_0 / KIND_Q5_0: ``[R, C / 32 * 34 or 22]`` bytes, C a
-    multiple of 32): every
-    token count, decode to prefill. Tiles of 4 rows x 3 tokens,
-    a task per 4-row strip (``rows`` 4; 1: a task per row, see ONE_ROW_COLS) (its weights stay in L1 while the tokens pass), tokens by blocks of
-    TOKEN_BLOCK (their activations stay in L2; the weights are read once per block). Each
-    (row, token) takes the same operations whatever the tile: a row's result is bit for bit
-    its one-row product."""
+    KIND_BF16 or KIND_F16) or uint8 GGML rows (KIND_Q8_0 / KIND_Q5_0, C a multiple of 32): every
+    token count, decode to prefill. Tiles of 4 rows x 3 tokens, a task per 4-row strip (``rows``
+    4; 1: a task per row, see ONE_ROW_COLS) (its weights stay in L1 while the tokens pass),
+    tokens by blocks of TOKEN_BLOCK (their activations stay in L2; the weights are read once per
+    block). Each (row, token) takes the same operations whatever the tile: a row's result is bit
+    for bit its one-row product."""
     R = w.shape[0]
     T, C = x.shape
     main = C - C % CHUNK

@@ -9,7 +9,8 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
   weights cross the memory bus once, still compressed. Q8_0 / Q5_0 short prompts (more than
   FEW_ROWS rows) take `kernels.half`'s tiles instead, each weight widened to float32 in registers
   (the real Gemma 3 270M's Q8_0 matrices, 16-64 rows: 86-98 GFLOP/s against 38-90 for the row
-  kernel and 21-98 for BLAS on decoded tiles; BLAS wins from ~96 rows on). Longer inputs (prefill) decode tiles of rows to float32 and
+  kernel and 21-98 for BLAS on decoded tiles; BLAS wins from ~96 rows on).
+  Longer inputs (prefill) decode tiles of rows to float32 and
   let single-threaded BLAS multiply them, the compute threads taking the tiles (`kernels.blas`:
   the same numbers on any thread count), so the float32 copy never exceeds a tile per thread.
   No numba parallel region runs between BLAS calls (it fought OpenBLAS's spinning workers:
