@@ -94,14 +94,15 @@ _HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcn
 
 def test_float32_tiles_compile_and_agree_for_an_avx2_cpu(tmp_path):
     """The portable path as a CPU without AVX-512 gets it: the tiles compiled for Haswell (AVX2,
-    FMA, F16C; no zmm register in the code) give float64's results."""
+    FMA, F16C; no zmm register in the code) give float64's results, half weights and GGML rows."""
     import os
     import subprocess
     import sys
 
     code = """
 import numpy as np
-from gemmalite.kernels.half import half_matmul
+from gguf import GGMLQuantizationType, quants
+from gemmalite.kernels.half import KIND_BF16, KIND_F16, KIND_Q5_0, KIND_Q8_0, half_matmul
 from gemmalite.weights.matrix import BF16, HalfMatrix
 rng = np.random.default_rng(0)
 for dt in (BF16, np.float16):
@@ -111,8 +112,17 @@ for dt in (BF16, np.float16):
         ref = x.astype(np.float64) @ w.astype(np.float64).T
         np.testing.assert_allclose(HalfMatrix(w).matmul(x), ref, rtol=1e-5, atol=1e-4)
         out = np.empty((t, 37), np.float32)
-        half_matmul(x, w.view(np.uint16), dt == BF16, 4, out)
+        half_matmul(x, w.view(np.uint16), KIND_BF16 if dt == BF16 else KIND_F16, 4, out)
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+for name, kind in (("Q8_0", KIND_Q8_0), ("Q5_0", KIND_Q5_0)):
+    qt = GGMLQuantizationType[name]
+    raw = np.ascontiguousarray(quants.quantize(rng.standard_normal((37, 1024)).astype(np.float32), qt))
+    raw = raw.view(np.uint8).reshape(37, -1)
+    x = rng.standard_normal((9, 1024)).astype(np.float32)
+    out = np.empty((9, 37), np.float32)
+    half_matmul(x, raw, kind, 4, out)
+    ref = x.astype(np.float64) @ quants.dequantize(raw, qt).reshape(37, 1024).astype(np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
 asm = "".join(half_matmul.inspect_asm().values())
 assert "vfmadd" in asm and "zmm" not in asm
 print("ok")
