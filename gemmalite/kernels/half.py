@@ -6,10 +6,10 @@ Two tile kernels (``numba.extending.intrinsic``), both for ``rows x tokens`` til
 rest), each (row, token) summed in vector lanes and reduced once at the end:
 
 * `half_rows_dot`: float32 activations, each weight widened to float32 in registers as it
-  is loaded (bfloat16: a 16-bit shift; float16: ``vcvtph2ps``; Q8_0 / Q5_0: the integer value
-  converted and multiplied by its block's float16 scale, a product float32 holds exactly, so
-  the weight is the dequantized one to the bit, and a Q5_0 matrix and its Q8_0 expansion give
-  the same bits), one FMA per value. Plain vector IR, no target intrinsic: it runs on every CPU
+  is loaded (bfloat16: a 16-bit shift; float16: ``vcvtph2ps``; Q8_0 / Q5_0: the integer
+  value converted and multiplied by its block's float16 scale, a product float32 holds exactly,
+  so the weight is the dequantized one to the bit, and a Q5_0 matrix and its Q8_0 expansion
+  give the same bits), one FMA per value. Plain vector IR, no target intrinsic: it runs on every CPU
   LLVM targets. Decode (memory-bound) and the portable prefill path of half weights; GGUF
   prompts of FEW_ROWS to FUSED_MAX_T rows (`weights.ggml`).
 * `bf16_dot_tile`: ``vdpbf16ps`` (AVX-512 BF16: 32 bfloat16 products summed pairwise into
@@ -34,8 +34,9 @@ from .common import EXACT, FAST, among, bf2f, either, h2f, literal_ladder
 from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _splat, _vec
 
 CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps; a Q8_0 block)
-KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0 = 0, 1, 2, 3  # the weights' kinds (`half_rows_dot`, `half_matmul`)
-Q8_0_BLOCK, Q5_0_BLOCK = 34, 22  # bytes of a GGML block of 32 values
+# the weights' kinds (`half_rows_dot`, `half_matmul`): half bits, GGML blocks of 32 values
+KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0 = 0, 1, 2, 3
+BLOCK_BYTES = {"q8_0": 34, "q5_0": 22}
 
 _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -65,12 +66,11 @@ def _ints(v: int):
 def _block_widen(builder, w, c, h: int, mode: str):
     """Values ``c + 16 h .. + 15`` of a GGML row as float32, ``float32(d) * q``: exact (an 11-bit
     scale times an 8- or 5-bit integer), so the very weights the reference dequantizer gives.
-    Q8_0 blocks: a float16 scale, 32 int8 values. Q5_0: a float16 scale, 4 bytes of fifth bits
-    (bit ``j`` for value ``j``), 16 bytes of nibbles (value ``j`` low, ``j + 16`` high), values
-    ``n - 16``."""
+    Each block of 32 starts with its float16 scale; then Q8_0: 32 int8 values; Q5_0: 4 bytes of
+    fifth bits (bit ``j`` for value ``j``) and 16 bytes of nibbles (value ``j`` low, ``j + 16``
+    high), values ``n - 16``. (Q4_0's nibbles the same way ran slower than its row kernel.)"""
     i32x16 = _vec(_I32, 16)
-    size = Q8_0_BLOCK if mode == "q8_0" else Q5_0_BLOCK
-    at = builder.mul(builder.lshr(c, _c64(5)), _c64(size))
+    at = builder.mul(builder.lshr(c, _c64(5)), _c64(BLOCK_BYTES[mode]))
     d = builder.load(builder.bitcast(builder.gep(w, [at], inbounds=True), ir.HalfType().as_pointer()), align=1)
     if mode == "q8_0":
         q = builder.sext(_load_vec(builder, w, builder.add(at, _c64(2 + 16 * h)), _vec(ir.IntType(8), 16)), i32x16)
@@ -116,7 +116,7 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
         else:
             for h in range(2):
                 off = builder.add(c, _c64(16 * h))
-                if mode in ("q8_0", "q5_0"):
+                if mode in BLOCK_BYTES:
                     ws = [_block_widen(builder, w, c, h, mode) for w in wrow]
                 else:
                     ws = [_widen(builder, _load_vec(builder, w, off, _vec(_I16, 16)), mode == "bf16") for w in wrow]
@@ -149,7 +149,7 @@ def half_rows_dot(typingctx, w, x, r0, t0, out, ncols, kind, nrows, ntok):
     kinds = (KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0)
     if not (_literal(kind, kinds) and _literal(nrows, range(1, 9)) and _literal(ntok, range(1, 9))):
         return None
-    mode = {KIND_F16: "f16", KIND_BF16: "bf16", KIND_Q8_0: "q8_0", KIND_Q5_0: "q5_0"}[kind.literal_value]
+    mode = dict(zip(kinds, ("f16", "bf16", "q8_0", "q5_0")))[kind.literal_value]
     inner = _tile_codegen(nrows.literal_value, ntok.literal_value, mode)
     return types.void(w, x, r0, t0, out, ncols, kind, nrows, ntok), _codegen(inner, 6)
 

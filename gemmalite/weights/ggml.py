@@ -6,10 +6,10 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
 * ``matmul(x)``  for a few input rows (decode, short prompts: see ``FUSED_MAX_T``) runs a numba
   kernel that decodes one weight row at a time into a per-thread buffer and dots it with every
   ``x`` row in float32, parallel over output rows for big matrices (``PARALLEL_MIN``): the
-  weights cross the memory bus once, still compressed. Q8_0 / Q5_0 short prompts (more than
-  FEW_ROWS rows) take `kernels.half`'s tiles instead, each weight widened to float32 in registers
-  (the real Gemma 3 270M's Q8_0 matrices, 16-64 rows: 86-98 GFLOP/s against 38-90 for the row
-  kernel and 21-98 for BLAS on decoded tiles; BLAS wins from ~96 rows on).
+  weights cross the memory bus once, still compressed. Q8_0 / Q5_0 short prompts (more
+  than FEW_ROWS rows) take `kernels.half`'s tiles instead, each weight widened to float32 in
+  registers (the real Gemma 3 270M's Q8_0 matrices, 16-64 rows: 86-98 GFLOP/s against 38-90 for
+  the row kernel and 21-98 for BLAS on decoded tiles; BLAS wins from ~96 rows on).
   Longer inputs (prefill) decode tiles of rows to float32 and
   let single-threaded BLAS multiply them, the compute threads taking the tiles (`kernels.blas`:
   the same numbers on any thread count), so the float32 copy never exceeds a tile per thread.

@@ -150,7 +150,7 @@ def test_ggml_tiles_are_float32_math_on_the_dequantized_weights(name, cols, t):
     raw = np.ascontiguousarray(quants.quantize(w, qt)).view(np.uint8).reshape(333, -1)
     ref_w = quants.dequantize(raw, qt).reshape(333, cols).astype(np.float64)
     x = rng.standard_normal((t, cols)).astype(np.float32)
-    kind = half.KIND_Q8_0 if name == "Q8_0" else half.KIND_Q5_0
+    kind = {"Q8_0": half.KIND_Q8_0, "Q5_0": half.KIND_Q5_0}[name]
 
     def product(xs):
         out = np.full((xs.shape[0], 333), np.nan, np.float32)
