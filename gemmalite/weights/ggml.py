@@ -9,12 +9,12 @@ A GGUF tensor stays as its raw memory-mapped blocks; only what a call needs is d
   weights cross the memory bus once, still compressed. Q8_0 / Q5_0 short prompts (more
   than FEW_ROWS rows) take `kernels.half`'s tiles instead, each weight widened to float32 in
   registers (the real Gemma 3 270M's Q8_0 matrices, 16-64 rows: 86-98 GFLOP/s against 38-90 for
-  the row kernel and 21-98 for BLAS on decoded tiles; BLAS wins from ~96 rows on).
-  Longer inputs (prefill) decode tiles of rows to float32 and
-  let single-threaded BLAS multiply them, the compute threads taking the tiles (`kernels.blas`:
-  the same numbers on any thread count), so the float32 copy never exceeds a tile per thread.
-  No numba parallel region runs between BLAS calls (it fought OpenBLAS's spinning workers:
-  measured 10x slower on 2 cores).
+  the row kernel and 21-98 for BLAS on decoded tiles; BLAS wins from ~96 rows on). Longer
+  inputs (prefill) decode tiles of rows to float32 and let single-threaded BLAS multiply them,
+  the compute threads taking the tiles (`kernels.blas`: the same numbers on any thread count), so
+  the float32 copy never exceeds a tile per thread. OpenBLAS's own pool never runs (its spinning
+  workers fought numba's regions between the calls: measured 10x slower on 2 cores), so a
+  prompt's numba attention runs between the products' BLAS calls at full speed.
 
 Numerics: the decoders (`gemmalite.kernels.ggml`) reproduce llama.cpp's dequantizers bit for
 bit, so products equal float32 math on the dequantized matrix up to summation order. Where a
@@ -114,8 +114,8 @@ class GGMLMatrix(Matrix):
         """This Q5_0 matrix as Q8_0 blocks of the same values (`kernels.ggml.q5_0_to_q8_0`: exact), in
         memory of its own (34 bytes a block of 32 instead of 22). With AVX2 both formats take one
         decode kernel, whose Q8_0 blocks stream from memory where Q5_0's unpacking is compute-bound;
-        every product is bit for bit the Q5_0 one's (the same values in the same lanes; prompts
-        decode both to the same float32 weights)."""
+        every product is bit for bit the Q5_0 one's (the same values in the same lanes; short
+        prompts' tiles widen both to the same float32 weights, longer prompts decode both to them)."""
         if self.qtype != "Q5_0":
             raise ValueError(f"as_q8_0 takes a Q5_0 matrix, not {self.qtype}")
         out = np.empty((self.shape[0], row_bytes("Q8_0", self.shape[1])), np.uint8)

@@ -490,8 +490,8 @@ class Int4Matrix(_Quantized):
 
     @property
     def uses_blas(self) -> bool:
-        """Prefill takes the W4A8 tiles where they apply (then no product of this matrix calls BLAS,
-        and a prompt's attention can run in numba's pool: `DecoderGraph`), else dequantize + BLAS."""
+        """Prefill takes the W4A8 tiles where they apply (then no product of this matrix calls
+        BLAS), else dequantize + BLAS."""
         return not self._tiles
 
     @property
