@@ -70,6 +70,19 @@ def w8a8_weights(monkeypatch):
     return seen
 
 
+# numba's target for a CPU without AVX-512 (``NUMBA_CPU_NAME=haswell`` with these features): a subprocess
+# under ``haswell_env`` compiles every kernel as such a CPU gets it, whatever the host
+HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,"
+           "+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt")
+
+
+def haswell_env(cache_dir) -> dict:
+    """The environment of a subprocess whose kernels compile for Haswell, cached in ``cache_dir``."""
+    import os
+
+    return {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": HASWELL, "NUMBA_CACHE_DIR": str(cache_dir)}
+
+
 def random_ids(n: int, vocab: int, seed: int = 0, low: int = 5) -> list[int]:
     """``n`` random token ids in ``[low, vocab)`` (no pad/eos/bos/unk/mask)."""
     return [int(i) for i in np.random.RandomState(seed).randint(low, vocab, size=n)]

@@ -37,12 +37,28 @@ FAST = dict(EXACT, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 _FEATURES = llvm.get_host_cpu_features().flatten().split(",")
 HAVE_AVX2 = "+avx2" in _FEATURES
 
+
+def _vnni(features: list[str]) -> bool:
+    """256-bit ``vpdpbusd`` / ``vpdpwssd``: AVX-512 VNNI with VL, or AVX-VNNI."""
+    return ("+avx512vnni" in features and "+avx512vl" in features) or "+avxvnni" in features
+
+
 # Does the host have 8-bit dot products (``vpdpbusd`` on 256-bit vectors: AVX-512 VNNI with VL, or
 # AVX-VNNI)? Then int8 prefill rounds activations to int8 and takes 32 multiply-adds per
 # instruction (`simd.int8_u8_tile_dot`) instead of 16. GEMMALITE_VNNI=0 forces the portable int16
 # path; like HAVE_AVX2, read at call time, so tests run both paths on one machine.
-HAVE_VNNI = (HAVE_AVX2 and os.environ.get("GEMMALITE_VNNI", "1") != "0"
-             and (("+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES) or "+avxvnni" in _FEATURES))
+HAVE_VNNI = HAVE_AVX2 and os.environ.get("GEMMALITE_VNNI", "1") != "0" and _vnni(_FEATURES)
+
+
+def target_has_vnni() -> bool:
+    """Does the CPU numba compiles for (``NUMBA_CPU_FEATURES`` where set, else the host) have
+    ``vpdpwssd`` / ``vpdpbusd`` on 256-bit vectors? For code generation, which must not emit an
+    instruction the target lacks (the tests compile for Haswell on any host); HAVE_VNNI says
+    which path a call takes."""
+    from numba.core import config
+
+    return _vnni(config.CPU_FEATURES.split(",") if config.CPU_FEATURES is not None else _FEATURES)
+
 
 # Does the host have AVX-512 BF16 (``vdpbf16ps``: 32 bfloat16 products per instruction, twice a
 # float32 FMA's)? GEMMALITE_BF16_DOT=1 lets prefill products of bfloat16 weights round their

@@ -52,8 +52,8 @@ __all__ = ["LANE_GROUP", "activation_pairs", "i4s_fit", "i4s_matvec", "i4s_mm_la
 
 _JIT, _FAST = EXACT, FAST  # every option stated (common.EXACT / FAST say why)
 
-# Does the CPU itself have vpdpbusd (whatever GEMMALITE_VNNI says)? Code for it is only emitted then.
-_CPU_VNNI = ("+avx512vnni" in common._FEATURES and "+avx512vl" in common._FEATURES) or "+avxvnni" in common._FEATURES
+# Does the CPU the code is compiled for have vpdpbusd (whatever GEMMALITE_VNNI says)? Code for it is only emitted then.
+_CPU_VNNI = common.target_has_vnni()
 
 
 # --------------------------------------------------------------------------- quantization

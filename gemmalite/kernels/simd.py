@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .common import FAST, half_to_f32_ir, prefetch_ir
+from .common import FAST, half_to_f32_ir, prefetch_ir, target_has_vnni
 
 __all__ = ["int16_activation_rows", "int16_step", "round_int16", "round_u8", "int4_rows_dot", "int8_rows_dot",
            "int8_tile_dot", "u8_tile_dot", "u8_lane_corr", "block_row_dot", "TILE_BLOCK", "U8_BLOCK"]
@@ -331,16 +331,26 @@ TILE_BLOCK = 256  # activation values per int16 scale in the matrix-matrix (pref
 # bytes ahead a one-row tile of `_tile_dot_codegen` (the int8 decode rows) prefetches its weights, on into
 # the thread's next rows. Two AVX2 threads (Zen 3), E2B int8 shapes from memory, in one process against
 # none: 12288 x 1536 27.8 -> 33.5 GB/s, 2048 x 1536 29.9 -> 34.2, 1536 x 256 21.8 -> 24.9 (1024 and 4096
-# less). Four-row tiles (the 12288-wide down projections) go without: 35.5 GB/s, 28.9 with.
+# less). Four-row tiles (the 12288-wide down projections) go without: 35.5 GB/s, 28.9 with. On VNNI CPUs
+# none either: on Zen 4 (AVX-512 VNNI) E2B int8 decode steps took 0.85x the time without it (0.78-0.95,
+# 16 rounds alternating with the prefetching kernel, a 4 KiB distance 0.95x; scripts/paired_decode.py's
+# workers), where its int4 kernel's prefetch still pays (1.09x slower without) and the GGML rows' is neutral.
 TILE_PREFETCH = 2048
+# Independent multiply-add chains per block of a tile with fewer than 4 (row, token) sums. On VNNI
+# targets LLVM fuses each vpmaddwd and its add into one vpdpwssd, which a 1 x 1 decode tile then ran as
+# one dependent chain of 16 per block, bound by the instruction's latency (one thread, a 0.4-6 MB matrix
+# in cache: 22 GB/s, 30-32 with four chains written out as vpdpwssd calls). The int32 sums are exact in
+# any order, so every result is the same to the bit.
+TILE_CHAINS = 4
 U8_BLOCK = 256  # activation values per int8 scale in the VNNI prefill kernel (128 measured no closer)
 
 
 def _tile_dot_codegen(rt: int, tt: int):
     """IR for an ``rt`` rows x ``tt`` tokens tile of ``out = x @ q.T`` (before the row scale).
 
-    Per block of TILE_BLOCK values: ``rt * tt`` exact int32 sums with ``vpmaddwd`` (16 products
-    each; <= 16 * 2 * 127 * 32767 per lane, no overflow), converted once to float32 and scaled
+    Per block of TILE_BLOCK values: ``rt * tt`` exact int32 sums with ``vpmaddwd`` (``vpdpwssd``
+    on VNNI targets, in TILE_CHAINS chains; 16 products each; <= 16 * 2 * 127 * 32767 per lane, no
+    overflow), converted once to float32 and scaled
     by the token's block scale into eight float32 lanes; at the end the lanes of every (row,
     token) pair are folded by one transposing tree (`_lane_sums`, the same order for every
     pair). Each weight chunk is loaded once for the tile's ``tt`` tokens and each activation
@@ -354,6 +364,7 @@ def _tile_dot_codegen(rt: int, tt: int):
         n, k = qa.shape
         nkb = da.shape[1]
         pmadd = _pmadd(builder)
+        dpwssd = _vpdpwssd(builder) if target_has_vnni() else None
         rows, toks = _span(builder, r0, rt), _span(builder, t0, tt)
         wrow, xrow, drow = qa.rows(builder, rows), xa.rows(builder, toks, k), da.rows(builder, toks)
         entry, head, body, done = _open_loop(builder, "tile")
@@ -368,18 +379,30 @@ def _tile_dot_codegen(rt: int, tt: int):
 
         builder.position_at_end(body)
         base = builder.mul(kb, _c64(TILE_BLOCK))
-        if rt == 1 and TILE_PREFETCH:  # the block's cache lines TILE_PREFETCH bytes ahead
+        if rt == 1 and TILE_PREFETCH and not dpwssd:  # the block's cache lines TILE_PREFETCH bytes ahead
             for line in range(0, TILE_BLOCK, 64):
                 prefetch_ir(builder, builder.gep(wrow[0], [builder.add(base, _c64(TILE_PREFETCH + line))]))
-        acc = {}
+        acc = {}  # (row, token, chain): int32 x 8; without VNNI one chain of vpmaddwd + vpaddd (1-cycle adds)
+        chains = max(1, TILE_CHAINS // (rt * tt)) if dpwssd else 1
         for c in range(TILE_BLOCK // 16):
             off = builder.add(base, _c64(16 * c))
             ws = [builder.sext(_load_vec(builder, w, off, _vec(_I8, 16)), _vec(_I16, 16)) for w in wrow]
             xs = [_load_vec(builder, x, off, _vec(_I16, 16)) for x in xrow]
             for i in range(rt):
                 for j in range(tt):
-                    s = builder.call(pmadd, [ws[i], xs[j]])
-                    acc[i, j] = s if c == 0 else builder.add(acc[i, j], s)
+                    key = (i, j, c % chains)
+                    if dpwssd:
+                        a = acc.get(key, ir.Constant(_vec(_I32, 8), [0] * 8))
+                        pair = [builder.bitcast(v, _vec(_I32, 8)) for v in (ws[i], xs[j])]
+                        acc[key] = builder.call(dpwssd, [a, *pair])
+                    else:
+                        s = builder.call(pmadd, [ws[i], xs[j]])
+                        acc[key] = s if c < chains else builder.add(acc[key], s)
+        for i in range(rt):  # integer sums: exact in any order, so the chains change no bit
+            for j in range(tt):
+                for h in range(1, chains):
+                    acc[i, j, 0] = builder.add(acc[i, j, 0], acc[i, j, h])
+                acc[i, j] = acc[i, j, 0]
         for j in range(tt):
             d = _splat(builder, builder.load(builder.gep(drow[j], [kb], inbounds=True)), 8)
             for i in range(rt):
@@ -396,6 +419,14 @@ def _tile_dot_codegen(rt: int, tt: int):
             builder.store(part, builder.bitcast(dst, _vec(_F32, rt).as_pointer()), align=4)
 
     return codegen
+
+
+def _vpdpwssd(builder):
+    """``llvm.x86.avx512.vpdpwssd.256``: acc + sums of two int16 products per int32 lane (what LLVM
+    fuses ``vpmaddwd`` and an add into on VNNI CPUs), as the ``<8 x i32>`` operand form."""
+    v = _vec(_I32, 8)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(v, [v, v, v]),
+                                          "llvm.x86.avx512.vpdpwssd.256")
 
 
 def _vpdpbusd(builder):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import haswell_env
 
 from gemmalite.kernels import common, half
 from gemmalite.weights.matrix import BF16, HalfMatrix
@@ -88,14 +89,9 @@ def test_round_bf16_is_round_to_nearest_even():
     assert np.isnan(out[:, :2].view(BF16).astype(np.float32)).all()
 
 
-_HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,"
-            "+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt")
-
-
 def test_float32_tiles_compile_and_agree_for_an_avx2_cpu(tmp_path):
     """The portable path as a CPU without AVX-512 gets it: the tiles compiled for Haswell (AVX2,
     FMA, F16C; no zmm register in the code) give float64's results, half weights and GGML rows."""
-    import os
     import subprocess
     import sys
 
@@ -127,8 +123,7 @@ asm = "".join(half_matmul.inspect_asm().values())
 assert "vfmadd" in asm and "zmm" not in asm
 print("ok")
 """
-    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": _HASWELL, "NUMBA_CACHE_DIR": str(tmp_path),
-           "GEMMALITE_BF16_DOT": "0"}
+    env = {**haswell_env(tmp_path), "GEMMALITE_BF16_DOT": "0"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
