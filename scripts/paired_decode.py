@@ -30,9 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # numpy is imported in the workers, after gemmalite (its BLAS settings)
 
 
 # ---------------------------------------------------------------- workers (each in its own process)
@@ -40,25 +38,20 @@ HERE = Path(__file__).resolve().parent
 def gemmalite_worker(a) -> tuple[callable, dict]:
     import gemmalite  # first: it configures OpenBLAS threads before numpy loads it
     import numba
-    from gemmalite.tools.bench import weight_bytes_per_token
+    from gemmalite.tools.bench import run_once, weight_bytes_per_token
 
     numba.set_num_threads(a.threads)
     model = gemmalite.load(a.path, context=max(256, len(a.ids) + a.new_tokens + 1), threads=a.threads)
-    engine = model.engine
 
-    def turn() -> dict:
-        state = engine.new_state()
-        t0 = time.perf_counter()
-        tok = int(np.argmax(engine.logits(engine.prefill(state, np.asarray(a.ids)))[0]))
-        t1 = time.perf_counter()
-        for _ in range(a.new_tokens):
-            tok = int(np.argmax(engine.decode_step(state, tok)))
-        return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+    def turn() -> dict:  # `gemmalite bench`'s own run: the prompt, then greedy steps
+        prefill_s, decode_s = run_once(model, a.ids, a.new_tokens)
+        return {"prefill_s": prefill_s, "decode_s": decode_s}
 
     return turn, {"weight_bytes_per_token": weight_bytes_per_token(model)}
 
 
 def llama_worker(a) -> tuple[callable, dict]:
+    import numpy as np
     from llama_cpp import Llama, llama_cpp
 
     sys.path.insert(0, str(HERE))
@@ -87,6 +80,8 @@ def llama_worker(a) -> tuple[callable, dict]:
 
 
 def probe_worker(a) -> tuple[callable, dict]:
+    import numpy as np
+
     sys.path.insert(0, str(HERE))
     from bandwidth_probe import _huge_array, _huge_pages_offered, _numba_sum
 

@@ -2,7 +2,8 @@
 
 numba types every integer operation as int64, so a plain loop of ``nibble * int16`` never
 becomes the 16-bit multiply-add instructions the CPU has (``vpmaddwd``; ``vpdpwssd`` with
-AVX-512 VNNI, which LLVM fuses in by itself). The intrinsics here emit them directly: they
+AVX-512 VNNI, which LLVM fuses in by itself, into one dependent chain where a sum runs long: the
+int8 decode tile writes its chains out, `TILE_CHAINS`). The intrinsics here emit them directly: they
 turn int4 decode from compute-bound (float nibble unpacking, ~6 GB/s of weights per two
 cores) into memory-bound (~28 GB/s from L3 on this machine), and lift int8 decode from
 ~21 to ~27 GB/s on E2B's matrices (half the instructions per weight of int8 -> float32 FMA).
