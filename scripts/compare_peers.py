@@ -111,33 +111,45 @@ def hf_worker(a) -> dict:
             "weight_bytes_per_token": per_token, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def llama_worker(a) -> dict:
-    from llama_cpp import Llama, llama_cpp
+def llama_open(gguf: str, tokens: int, threads: int):
+    """llama-cpp-python's ``Llama`` on ``gguf`` with room for ``tokens`` (prompt + new), batch 512."""
+    from llama_cpp import Llama
 
-    t0 = time.perf_counter()
-    llm = Llama(a.gguf, n_ctx=max(512, a.prompt_tokens + a.new_tokens + 8), n_threads=a.threads,
-                n_threads_batch=a.threads, n_batch=512, verbose=False)
-    load_s = time.perf_counter() - t0
+    return Llama(gguf, n_ctx=max(512, tokens + 8), n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 verbose=False)
+
+
+def llama_run(llm, ids: list[int], n: int) -> tuple[float, float]:
+    """Seconds of ``eval(ids)`` after ``reset()`` (with the argmax of its last logits) and of ``n``
+    single-token ``eval`` calls with greedy argmax."""
+    from llama_cpp import llama_cpp
+
     n_vocab = llm.n_vocab()
-    prompt = prompt_ids(Path(a.model), a.prompt_tokens)
 
     def argmax() -> int:
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
         return int(np.argmax(logits))
 
-    def run(ids: list[int], n: int) -> tuple[float, float]:
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    tok = argmax()
+    t1 = time.perf_counter()
+    for _ in range(n):
+        llm.eval([tok])
         tok = argmax()
-        t1 = time.perf_counter()
-        for _ in range(n):
-            llm.eval([tok])
-            tok = argmax()
-        return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1
 
-    run(prompt, 4)  # warm-up on the whole prompt: its table rows are paged in before timing
-    pre, dec = zip(*(run(prompt, a.new_tokens) for _ in range(a.runs)))
+
+def llama_worker(a) -> dict:
+    from llama_cpp import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_open(a.gguf, a.prompt_tokens + a.new_tokens, a.threads)
+    load_s = time.perf_counter() - t0
+    prompt = prompt_ids(Path(a.model), a.prompt_tokens)
+    llama_run(llm, prompt, 4)  # warm-up on the whole prompt: its table rows are paged in before timing
+    pre, dec = zip(*(llama_run(llm, prompt, a.new_tokens) for _ in range(a.runs)))
     return {"load_s": load_s, "prefill_tok_s": a.prompt_tokens / statistics.median(pre),
             "decode_tok_s": a.new_tokens / statistics.median(dec), "peak_rss_bytes": peak_rss(),
             "weight_bytes_per_token": gguf_bytes_per_token(a.gguf),

@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent  # numpy is imported in the workers, after gemmalite (its BLAS settings)
@@ -51,29 +50,16 @@ def gemmalite_worker(a) -> tuple[callable, dict]:
 
 
 def llama_worker(a) -> tuple[callable, dict]:
-    import numpy as np
-    from llama_cpp import Llama, llama_cpp
+    from llama_cpp import llama_cpp
 
     sys.path.insert(0, str(HERE))
-    from compare_peers import gguf_bytes_per_token
+    from compare_peers import gguf_bytes_per_token, llama_open, llama_run
 
-    llm = Llama(a.path, n_ctx=max(512, len(a.ids) + a.new_tokens + 8), n_threads=a.threads,
-                n_threads_batch=a.threads, n_batch=512, verbose=False)
-    n_vocab = llm.n_vocab()
+    llm = llama_open(a.path, len(a.ids) + a.new_tokens, a.threads)
 
-    def argmax() -> int:
-        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
-
-    def turn() -> dict:
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(a.ids)
-        tok = argmax()
-        t1 = time.perf_counter()
-        for _ in range(a.new_tokens):
-            llm.eval([tok])
-            tok = argmax()
-        return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+    def turn() -> dict:  # `compare_peers.py`'s own run
+        prefill_s, decode_s = llama_run(llm, a.ids, a.new_tokens)
+        return {"prefill_s": prefill_s, "decode_s": decode_s}
 
     return turn, {"weight_bytes_per_token": gguf_bytes_per_token(a.path),
                   "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
@@ -83,20 +69,14 @@ def probe_worker(a) -> tuple[callable, dict]:
     import numpy as np
 
     sys.path.insert(0, str(HERE))
-    from bandwidth_probe import _huge_array, _huge_pages_offered, _numba_sum
+    from bandwidth_probe import _huge_array, _huge_pages_offered, _numba_sum, _time
 
     n = 2**31 // 4
     arr = _huge_array(n) if _huge_pages_offered() else np.ones(n, np.float32)
     psum = _numba_sum(a.threads)
-    psum(arr)
 
-    def turn() -> dict:
-        rates = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            psum(arr)
-            rates.append(arr.nbytes / (time.perf_counter() - t0) / 1e9)
-        return {"gb_s": statistics.median(rates)}
+    def turn() -> dict:  # the probe's own timing: a warm-up pass, the median of three
+        return {"gb_s": _time(psum, arr, 3)}
 
     return turn, {"array_bytes": arr.nbytes}
 

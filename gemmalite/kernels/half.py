@@ -31,12 +31,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .common import EXACT, FAST, among, bf2f, either, h2f, literal_ladder
-from .simd import _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _splat, _vec
+from .simd import GGML_BLOCK, _EXACT, _c64, _codegen, _fma, _hsum, _literal, _load_vec, _open_loop, _span, _splat, _vec
 
 CHUNK = 32  # values per step of the column loop (two 16-lane float vectors; one vdpbf16ps; a Q8_0 block)
 # the weights' kinds (`half_rows_dot`, `half_matmul`): half bits, GGML blocks of 32 values
 KIND_F16, KIND_BF16, KIND_Q8_0, KIND_Q5_0 = 0, 1, 2, 3
-BLOCK_BYTES = {"q8_0": 34, "q5_0": 22}
 
 _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -70,7 +69,7 @@ def _block_widen(builder, w, c, h: int, mode: str):
     fifth bits (bit ``j`` for value ``j``) and 16 bytes of nibbles (value ``j`` low, ``j + 16``
     high), values ``n - 16``. (Q4_0's nibbles the same way ran slower than its row kernel.)"""
     i32x16 = _vec(_I32, 16)
-    at = builder.mul(builder.lshr(c, _c64(5)), _c64(BLOCK_BYTES[mode]))
+    at = builder.mul(builder.lshr(c, _c64(5)), _c64(GGML_BLOCK[mode]))
     d = builder.load(builder.bitcast(builder.gep(w, [at], inbounds=True), ir.HalfType().as_pointer()), align=1)
     if mode == "q8_0":
         q = builder.sext(_load_vec(builder, w, builder.add(at, _c64(2 + 16 * h)), _vec(ir.IntType(8), 16)), i32x16)
@@ -116,7 +115,7 @@ def _tile_codegen(nrows: int, ntok: int, mode: str):
         else:
             for h in range(2):
                 off = builder.add(c, _c64(16 * h))
-                if mode in BLOCK_BYTES:
+                if mode in GGML_BLOCK:
                     ws = [_block_widen(builder, w, c, h, mode) for w in wrow]
                 else:
                     ws = [_widen(builder, _load_vec(builder, w, off, _vec(_I16, 16)), mode == "bf16") for w in wrow]
