@@ -9,7 +9,7 @@ the user already set in the environment always wins. Nothing here imports numba 
   user's cache folder, keyed by gemmalite version, a digest of the kernel sources, numba version
   and CPU, so an upgrade, an edited kernel (numba would not notice a change in an inlined
   helper's file) or a different CPU on a shared home folder compiles afresh instead of loading
-  stale code.
+  stale code. Making a new folder removes those unused for `STALE_DAYS`.
 * **Threads that spin briefly, then sleep.** OpenMP workers (numba's ``omp`` layer) and OpenBLAS
   workers wait at the end of every parallel region. libgomp's default spin (300000) or an
   unbounded one (``OMP_WAIT_POLICY=ACTIVE``) takes, on a busy machine, the time slices the other
@@ -111,6 +111,64 @@ def _writable_dir(path: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix="gemmalite-numba-"))
 
 
+# A kernel folder no gemmalite has started with for this many days is removed when a new one is
+# made beside it: each upgrade or edited kernel source adds a folder (10-40 MB), and nothing else
+# would ever delete the old ones. Days, not "all but the newest": two installed versions, or
+# machines with other CPUs sharing a home folder, each keep theirs while they are in use.
+STALE_DAYS = 30
+
+
+def kernel_cache(path: Path) -> Path:
+    """The kernel folder ``path`` (`numba_cache_dir`'s name), made if missing and marked as used
+    now (its modification time is its last use); where this call made it, the stale ones beside it
+    go (`prune_kernel_caches`). A folder that cannot be written: a private temporary one."""
+    fresh = not path.is_dir()
+    got = _writable_dir(path)
+    if got == path:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        if fresh:
+            prune_kernel_caches(path.parent, keep=path.name)
+    return got
+
+
+def _is_kernel_folder(name: str) -> bool:
+    return name.startswith("gemmalite-") and "-numba-" in name and "-cpu-" in name
+
+
+def prune_kernel_caches(folder: Path, keep: str, days: float = STALE_DAYS) -> list[str]:
+    """Remove the kernel folders in ``folder`` (named as `numba_cache_dir` names them; nothing
+    else is touched) other than ``keep`` that were last used more than ``days`` ago; returns their
+    names. Each is renamed away before it is deleted, so a process starting meanwhile finds a
+    whole folder or none. Best effort: a folder that cannot be removed stays, silently."""
+    import shutil
+    import time
+
+    cutoff = time.time() - days * 86400
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        try:
+            if (e.name == keep or not _is_kernel_folder(e.name) or not e.is_dir(follow_symlinks=False)
+                    or e.stat(follow_symlinks=False).st_mtime >= cutoff):
+                continue
+            trash = folder / f".removing-{e.name}-{os.getpid()}"
+            os.rename(e.path, trash)  # another process pruning too: one rename wins, the other fails
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(e.name)
+    for e in entries:  # what an interrupted removal left (already renamed away: no one loads it)
+        if e.name.startswith(".removing-gemmalite-"):
+            shutil.rmtree(e.path, ignore_errors=True)
+    return removed
+
+
 def apply() -> None:
     """Set the environment (user values win). Too late for numba once it is imported: say so."""
     for k, v in WAIT_SETTINGS.items():
@@ -121,9 +179,9 @@ def apply() -> None:
         if "numba" in sys.modules:  # numba read its config already: tell its live config instead
             import numba.core.config as nconf
 
-            nconf.CACHE_DIR = str(_writable_dir(numba_cache_dir()))
+            nconf.CACHE_DIR = str(kernel_cache(numba_cache_dir()))
         else:
-            os.environ["NUMBA_CACHE_DIR"] = str(_writable_dir(numba_cache_dir()))
+            os.environ["NUMBA_CACHE_DIR"] = str(kernel_cache(numba_cache_dir()))
 
 
 def usable_cpus() -> int:

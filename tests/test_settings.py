@@ -84,6 +84,62 @@ def test_unwritable_cache_falls_back_to_a_private_folder(tmp_path):
         ro.chmod(0o700)
 
 
+def _folder(path: Path, days_ago: float, file: bool = False) -> Path:
+    import time
+
+    if file:
+        path.write_text("")
+    else:
+        path.mkdir(parents=True)
+        (path / "kernel.nbi").write_bytes(b"compiled")
+    then = time.time() - days_ago * 86400
+    os.utime(path, (then, then))
+    return path
+
+
+def _names(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_a_new_kernel_folder_removes_the_stale_ones_beside_it(tmp_path):
+    root = tmp_path / "numba"
+    stale = _folder(root / "gemmalite-0.0.9-aaaa-numba-0.60.0-cpu-bbbb", 31)
+    other_cpu = _folder(root / "gemmalite-0.1.0-cccc-numba-0.68.1-cpu-dddd", 29)  # in use elsewhere
+    _folder(root / "my-notes", 400)  # not a kernel folder: never touched
+    _folder(root / "gemmalite-0.0.1-x-numba-0.1-cpu-y", 400, file=True)  # a file of that name: left
+    _folder(root / ".removing-gemmalite-0.0.8-e-numba-0.59-cpu-f-123", 1)  # an interrupted removal
+    current = root / "gemmalite-0.2.0-eeee-numba-0.68.1-cpu-ffff"
+    assert settings.kernel_cache(current) == current and current.is_dir()
+    assert _names(root) == {other_cpu.name, "my-notes", "gemmalite-0.0.1-x-numba-0.1-cpu-y", current.name}
+    assert not stale.exists()
+
+
+def test_a_kernel_folder_in_use_is_kept_and_prunes_nothing(tmp_path):
+    """Starting with an existing folder marks it used (so another version's new folder keeps it)
+    and removes nothing: pruning runs where a folder is made, an upgrade's first start."""
+    import time
+
+    root = tmp_path / "numba"
+    mine = _folder(root / "gemmalite-0.1.0-aaaa-numba-0.68.1-cpu-bbbb", 40)
+    stale = _folder(root / "gemmalite-0.0.9-cccc-numba-0.68.1-cpu-bbbb", 40)
+    assert settings.kernel_cache(mine) == mine
+    assert mine.stat().st_mtime > time.time() - 60 and stale.exists()
+    newer = root / "gemmalite-0.2.0-dddd-numba-0.68.1-cpu-bbbb"
+    settings.kernel_cache(newer)
+    assert _names(root) == {mine.name, newer.name}
+
+
+def test_apply_prunes_beside_the_folder_it_makes(monkeypatch, tmp_path):
+    import numba.core.config as nconf
+
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("GEMMALITE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nconf, "CACHE_DIR", nconf.CACHE_DIR)  # numba is loaded: apply sets its live config
+    stale = _folder(tmp_path / "numba" / "gemmalite-0.0.1-aaaa-numba-0.1.0-cpu-bbbb", 45)
+    settings.apply()
+    assert nconf.CACHE_DIR == str(settings.numba_cache_dir()) and not stale.exists()
+
+
 def test_usable_cpus_follows_affinity():
     import os
 
