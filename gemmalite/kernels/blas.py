@@ -5,49 +5,101 @@ OpenBLAS's sgemm orders its sums by its thread count and by the shape it is hand
 so a prefill through BLAS gave other logits with ``threads=1`` than with 2, or when the thread
 governor dropped to one thread on a busy machine. Here a product is cut into tiles of weight rows
 fixed by the matrix's shape alone, each multiplied by single-threaded BLAS, and the compute
-threads (Python threads: numpy and the nogil kernels release the GIL) take the tiles: the same
-numbers on any thread count, and no OpenBLAS worker spinning beside numba's.
+threads take the tiles: the same numbers on any thread count, and no OpenBLAS worker spinning
+beside numba's.
+
+The compute threads are numba's own: one parallel region whose iterations call back into Python
+to run the tasks (numpy's BLAS and the nogil kernels release the GIL). Python threads of our own
+would share the cores with numba's workers, which spin for a while after every region
+(`settings.GOMP_SPIN`, what decode needs) and took their cores from the tiles of the prompt that
+followed: on the real Gemma 3 270M a 128-token prompt ran its products in 0.85x the time on
+numba's threads (the same bits).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import ctypes
+import itertools
 from typing import Any, Callable
 
 import numpy as np
+from numba import njit, prange, types
 
 from . import common
+from .calls import Kernel, call0, signature_hash
 
 TILE_BYTES = 1 << 20  # float32 weight bytes per tile, at most
 TILE_GROUP = 4  # tiles per product: a multiple of this
 
-_POOL: tuple[ThreadPoolExecutor, Any] | None = None
+_CONTROLLER: Any = None
+_CALLS: dict[int, tuple[list[Callable[[], None]], int, list[BaseException]]] = {}  # call id -> tasks, shares, errors
+_IDS = itertools.count()
+_CALLBACK: tuple | None = None
 
 
-def pool() -> tuple[ThreadPoolExecutor, Any]:
-    """The Python threads that run BLAS tiles (as many as numba's pool) and the BLAS thread limit
-    they run under (threadpoolctl)."""
-    global _POOL
-    if _POOL is None:
-        import numba
+def _run_share(call: int, i: int) -> None:
+    """Share ``i`` of call ``call``'s tasks (every ``n``-th from ``i``), run on a numba thread
+    through a ctypes callback (which takes the GIL); an error is kept for the caller."""
+    tasks, n, errors = _CALLS[call]
+    try:
+        for task in tasks[i::n]:
+            task()
+    except BaseException as e:  # noqa: BLE001 - re-raised by run_single_threaded
+        errors.append(e)
+
+
+@njit(nogil=True, cache=True)
+def _share(share, call, i):  # pragma: no cover - compiled
+    """Share ``i``: the callback (not inlined into the loop: a call that may raise would stop the
+    loop's parallel split)."""
+    call0(share, (call, np.int64(i)))
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _drive(share, call, n):  # pragma: no cover - compiled
+    for i in prange(n):
+        _share(share, call, i)
+
+
+def _callback() -> tuple[Kernel, Any]:
+    """`_run_share` as a C function pointer, passed to `_drive` as a `calls.Kernel` (code naming a
+    Python function or a ctypes pointer cannot be cached: it would compile in every process), and
+    the ctypes object that must outlive its pointer's use."""
+    global _CALLBACK
+    if _CALLBACK is None:
+        fn = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)(_run_share)
+        _CALLBACK = Kernel(ctypes.cast(fn, ctypes.c_void_p).value, signature_hash((types.int64,) * 2, types.none)), fn
+    return _CALLBACK
+
+
+def controller() -> Any:
+    """threadpoolctl's controller, which sets the BLAS thread limit the tasks run under."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
         from threadpoolctl import ThreadpoolController
 
-        _POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "gemmalite-blas"), ThreadpoolController()
-    return _POOL
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER
 
 
 def run_single_threaded(tasks: list[Callable[[], None]]) -> None:
     """Run ``tasks`` on the compute threads, BLAS on one thread inside each; the tasks' results
-    must not depend on which thread runs them."""
+    must not depend on which thread runs them. The first error a task raises is raised here,
+    after every share has ended."""
     n = min(len(tasks), common.compute_threads())
-    executor, ctl = pool()
-    with ctl.limit(limits=1, user_api="blas"):
+    with controller().limit(limits=1, user_api="blas"):
         if n <= 1:
             for task in tasks:
                 task()
             return
-        parts = [executor.submit(lambda i=i: [t() for t in tasks[i::n]]) for i in range(n)]
-        for f in parts:
-            f.result()
+        call = next(_IDS)
+        errors: list[BaseException] = []
+        _CALLS[call] = (tasks, n, errors)
+        try:
+            _drive(_callback()[0], call, n)
+        finally:
+            del _CALLS[call]
+        if errors:
+            raise errors[0]
 
 
 def tile_rows(rows: int, cols: int) -> int:

@@ -311,7 +311,7 @@ def make_kernels(name: str) -> _Kernels:
     @njit(nogil=True, **EXACT)
     def gather(raw, ids, out, n):
         """Serial on purpose (lookups are a few rows), without the GIL: the BLAS tiles of a
-        prefill decode their rows on several Python threads (`kernels.blas`)."""
+        prefill decode their rows on several threads at once (`kernels.blas`)."""
         for i in range(ids.shape[0]):
             _decode_row(kind, raw[ids[i]], out[i], bs, n)
 

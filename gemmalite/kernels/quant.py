@@ -212,7 +212,7 @@ def i8_mm_vnni(q, scale, xu, xh, xd, t_lo, t_hi, out):
                     u8_tile_dot(q, lc, xu, xh, xd, i, t, out, scale, 1, 1)
 
 
-@njit(nogil=True, **_JIT)  # BLAS tiles decode on several Python threads (kernels.blas)
+@njit(nogil=True, **_JIT)  # BLAS tiles decode on several threads at once (kernels.blas)
 def i8_dequant_range(q, scale, r0, out):
     m, k = out.shape
     for i in range(m):
@@ -495,7 +495,7 @@ def i4_dequant_row(packed, scales, mins, r, group, o, sym):
                           o[g * group : g * group + h], o[g * group + h : g * group + group])
 
 
-@njit(nogil=True, **_JIT)  # BLAS tiles decode on several Python threads (kernels.blas)
+@njit(nogil=True, **_JIT)  # BLAS tiles decode on several threads at once (kernels.blas)
 def i4_dequant_range(packed, scales, mins, r0, group, out, sym=False):
     for i in range(out.shape[0]):
         i4_dequant_row(packed, scales, mins, r0 + i, group, out[i], sym)

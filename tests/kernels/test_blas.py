@@ -89,3 +89,30 @@ def test_tasks_run_and_errors_surface():
 
     with pytest.raises(ValueError, match="tile failed"):
         blas.run_single_threaded([boom, boom])
+
+    class Interrupted(BaseException):  # as KeyboardInterrupt: it crosses the compiled region too
+        pass
+
+    def stop() -> None:
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        blas.run_single_threaded([lambda: None, stop, lambda: None])
+    assert not blas._CALLS  # nothing of a finished call is kept
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 threads")
+def test_tasks_run_on_numbas_own_threads():
+    """The tiles run on numba's threads (Python threads of our own shared the cores with numba's
+    workers, which spin after every region), each thread its share, the calling thread one."""
+    import threading
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        seen = []
+        blas.run_single_threaded([lambda: seen.append((numba.get_thread_id(), threading.get_ident()))] * 6)
+    finally:
+        numba.set_num_threads(before)
+    assert sorted({t for t, _ in seen}) == [0, 1] and len(seen) == 6
+    assert (0, threading.get_ident()) in seen
