@@ -12,8 +12,8 @@ The compute threads are numba's own: one parallel region whose iterations call b
 to run the tasks (numpy's BLAS and the nogil kernels release the GIL). Python threads of our own
 would share the cores with numba's workers, which spin for a while after every region
 (`settings.GOMP_SPIN`, what decode needs) and took their cores from the tiles of the prompt that
-followed: on the real Gemma 3 270M a 128-token prompt ran its products in 0.85x the time on
-numba's threads (the same bits).
+followed: on the real Gemma 3 270M a 128-token prompt runs in 0.78x the time on numba's threads
+(the same bits).
 """
 from __future__ import annotations
 
