@@ -114,7 +114,9 @@ def _writable_dir(path: Path) -> Path:
 # A kernel folder no gemmalite has started with for this many days is removed when a new one is
 # made beside it: each upgrade or edited kernel source adds a folder (10-40 MB), and nothing else
 # would ever delete the old ones. Days, not "all but the newest": two installed versions, or
-# machines with other CPUs sharing a home folder, each keep theirs while they are in use.
+# machines with other CPUs sharing a home folder, each keep theirs while they are in use. A process
+# still running on a removed folder loses nothing it has loaded; numba makes the folder again when
+# it next saves a kernel (`ensure_cache_path`).
 STALE_DAYS = 30
 
 
