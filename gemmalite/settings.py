@@ -178,12 +178,13 @@ def apply() -> None:
     if "OMP_WAIT_POLICY" not in os.environ:  # GOMP_SPINCOUNT would override the user's policy
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN)
     if not os.environ.get("NUMBA_CACHE_DIR"):
+        folder = str(kernel_cache(numba_cache_dir()))
         if "numba" in sys.modules:  # numba read its config already: tell its live config instead
             import numba.core.config as nconf
 
-            nconf.CACHE_DIR = str(kernel_cache(numba_cache_dir()))
+            nconf.CACHE_DIR = folder
         else:
-            os.environ["NUMBA_CACHE_DIR"] = str(kernel_cache(numba_cache_dir()))
+            os.environ["NUMBA_CACHE_DIR"] = folder
 
 
 def usable_cpus() -> int:

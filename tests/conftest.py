@@ -29,8 +29,8 @@ def _numba_cache() -> str:
     a kernel compiled against an older simd.py), so an edited kernel compiles afresh and a second
     run loads what the first compiled; under a root of the tests' own ($GEMMALITE_TEST_CACHE, else
     ~/.cache/gemmalite-tests; folders unused for 30 days pruned as the user's are), never the user's
-    cache folder. settings.py is read on its own: the
-    package's import would set NUMBA_CACHE_DIR to the user's folder first."""
+    cache folder. settings.py is read on its own: the package's import would set NUMBA_CACHE_DIR to
+    the user's folder first."""
     package = Path(importlib.util.find_spec("gemmalite").origin).parent  # the gemmalite the tests import
     spec = importlib.util.spec_from_file_location("_gemmalite_settings", package / "settings.py")
     settings_module = importlib.util.module_from_spec(spec)
