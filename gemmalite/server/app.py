@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 from starlette.applications import Starlette
@@ -41,6 +41,10 @@ from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
 from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
+
+
+class ClientGone(Exception):
+    """The client closed the request: nobody reads the rest (`Server.relay` has cancelled its work)."""
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -196,10 +200,12 @@ class Server:
                 s.matcher = grammar.matcher(s.stop_ids)
         return seqs
 
-    async def _run(self, request: Request, seqs: list[Sequence], gen: Generation, chunk: Callable[..., dict],
-                   final: Callable[[list[tuple[list, Finish]]], dict | Response]) -> Response:
-        """Submit ``seqs`` (a request's choices); answer with an SSE stream of ``chunk`` events or
-        one ``final`` body (or response) built from each choice's (events: `Piece`s or `Part`s, `Finish`)."""
+    def relay(self, request: Request, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Any]]:
+        """The request core every API shares: submit ``seqs`` (a request's choices) at once (a full
+        queue is an `APIError` 503) and return their events: each ``(choice index, event)``
+        (`Piece`, `Part`, then its `Finish`) until every choice has finished. Leaving the iteration
+        early (the client went away: `ClientGone`; an error; a closed stream) cancels every choice:
+        its slot is free at the scheduler's next step."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         for i, seq in enumerate(seqs):
             seq.sink = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
@@ -211,6 +217,29 @@ class Server:
                 seq.cancel()
             raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="overloaded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
+        return self._events(request, seqs, events)
+
+    async def _events(self, request: Request, seqs: list[Sequence], events: asyncio.Queue):
+        try:
+            done = 0
+            while done < len(seqs):
+                try:
+                    i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise ClientGone() from None
+                    continue
+                done += isinstance(ev, Finish)
+                yield i, ev
+        finally:
+            for seq in seqs:
+                seq.cancel()  # a no-op once finished; frees the slot if the client left
+
+    async def _run(self, request: Request, seqs: list[Sequence], gen: Generation, chunk: Callable[..., dict],
+                   final: Callable[[list[tuple[list, Finish]]], dict | Response]) -> Response:
+        """`relay` ``seqs``; answer with an SSE stream of ``chunk`` events or one ``final`` body (or
+        response) built from each choice's (events: `Piece`s or `Part`s, `Finish`)."""
+        events = self.relay(request, seqs)
         if gen.stream:
             return StreamingResponse(self._sse(seqs, events, gen, chunk), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -218,13 +247,7 @@ class Server:
         lps: list[list] = [[] for _ in seqs]
         done: dict[int, Finish] = {}
         try:
-            while len(done) < len(seqs):
-                try:
-                    i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # client closed the request: nobody reads this
-                    continue
+            async for i, ev in events:
                 if isinstance(ev, (Piece, Part)):
                     got[i].append(ev)
                     lps[i] += ev.logprobs
@@ -232,11 +255,12 @@ class Server:
                 self._check_finish(ev)
                 ev.logprobs = lps[i] + ev.logprobs
                 done[i] = ev
-            out = final([(got[i], done[i]) for i in range(len(seqs))])
-            return out if isinstance(out, Response) else JSONResponse(out)
+        except ClientGone:
+            return Response(status_code=499)  # client closed the request: nobody reads this
         finally:
-            for seq in seqs:
-                seq.cancel()  # a no-op once finished; frees the slot if the client left
+            await events.aclose()
+        out = final([(got[i], done[i]) for i in range(len(seqs))])
+        return out if isinstance(out, Response) else JSONResponse(out)
 
     @staticmethod
     def _check_finish(ev: Finish) -> None:
@@ -246,7 +270,8 @@ class Server:
             raise APIError(503, "the server is shutting down", type="server_error",
                            headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _sse(self, seqs: list[Sequence], events: asyncio.Queue, gen: Generation, chunk: Callable[..., dict]):
+    async def _sse(self, seqs: list[Sequence], events: AsyncIterator[tuple[int, Any]], gen: Generation,
+                   chunk: Callable[..., dict]):
         def data(obj: Any) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -254,8 +279,7 @@ class Server:
             for i in range(len(seqs)):
                 yield data(chunk(i, role=True))
             finished: list[Finish] = []
-            while len(finished) < len(seqs):
-                i, ev = await events.get()
+            async for i, ev in events:
                 if isinstance(ev, (Piece, Part)):
                     c = chunk(i, event=ev, logprobs=ev.logprobs)
                     if c is not None:
@@ -271,9 +295,12 @@ class Server:
             if gen.include_usage:
                 yield data(chunk(0, usage=_usage(finished)))
             yield "data: [DONE]\n\n"
-        finally:
+        except ClientGone:
+            return
+        finally:  # the client went away mid-stream (or we are done): free the slots
             for seq in seqs:
-                seq.cancel()  # the client went away mid-stream (or we are done): free the slots
+                seq.cancel()
+            await events.aclose()
 
     async def _chat_sequence(self, messages: list[dict[str, Any]], gen: Generation, param: str = "messages",
                              opts: chat_format.ChatOptions | None = None) -> Sequence:
@@ -308,17 +335,30 @@ class Server:
             ids = arr.tolist()
         return self._prepare(ids, gen, chat=True, soft=soft, prediction=await self._prediction_ids(gen))
 
-    async def chat_completions(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        require_model(body, self.model_id, "chat")
+    async def chat_request(self, body: dict, messages: list[dict[str, Any]] | None = None,
+                           param: str = "messages") -> tuple[list[Sequence], Generation, chat_format.ChatOptions]:
+        """The shared core of a chat request in chat-completions terms (each API translates its own
+        body to these fields): its choices as scheduler sequences (rendered with its tools and
+        thinking, read by the chat parser, constrained by the tools' grammar or ``response_format``),
+        the checked generation options and the agent options. ``messages``: already checked
+        OpenAI-shaped messages (default: ``body["messages"]``, checked here)."""
         gen = generation(body, self.limits)
         opts = chat_format.chat_options(body)
-        seq = await self._chat_sequence(chat_messages(body, self.limits), gen, opts=opts)
+        if messages is None:
+            messages = chat_messages(body, self.limits)
+        seq = await self._chat_sequence(messages, gen, param=param, opts=opts)
         if self.chat_format:
             seq.output = lambda: chat_format.ChatReader(self.tokenizer, seq.stop_strings, opts)
         # (the tools' grammar and a response_format schema compile in a worker thread)
         tools = await run_in_threadpool(chat_format.tool_constraint, self.tokenizer, opts, body.get("response_format"))
         seqs = await run_in_threadpool(self.choices, seq, body, True, opts.thinking, tools)
+        return seqs, gen, opts
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self.read_json(request)
+        require_model(body, self.model_id, "chat")
+        seqs, gen, _ = await self.chat_request(body)
+        seq = seqs[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id, "system_fingerprint": None}
         fmt = self.logprob_format if seq.logprobs is not None else None
