@@ -11,14 +11,15 @@ tables (token embedding, PLE table, LM head). Everything a request changes lives
     h = engine.prefill_many(states, prompts)                # several prompts in one pass
 
 The host side (row lookups, LM head, softcap) is here; the graph (layers + KV cache) is behind
-``graph.forward(state, x0, ple_rows, keep)``, the one call another backend would implement.
+the `Graph` protocol (``new_state``, ``forward``, ``forward_batch``, ``forward_many``), what
+another backend implements.
 One step computes at a time in a process, on the threads `runtime.threads` gives it: the kernels
 already use every core, and numba's thread pool is shared by the whole process.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,16 +33,36 @@ PREFILL_CHUNK = 512  # prompt tokens per graph call: activations and the attenti
 # windows stay this size however long the prompt, so memory stays flat
 
 
-class Graph(Protocol):
-    def new_state(self, context: int) -> KVState: ...
+S = TypeVar("S", bound=KVState)
 
-    def forward(self, state: KVState, x0: np.ndarray, ple_rows: np.ndarray | None,
-                keep: np.ndarray | None = None, capture: list | None = None, each: bool = False) -> np.ndarray: ...
 
-    def forward_batch(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None) -> np.ndarray: ...
+class Graph(Protocol[S]):
+    """The decoder graph (layers + KV cache) behind `Engine`, on states of its own type ``S``:
+    `models.gemma.graph.DecoderGraph` (`KVState`), `backends.onnx.ort.OrtGraph` (`OrtState`).
+    ``x0`` ``[R, H]``: scaled embeddings; ``ple_rows`` ``[R, L*P]``: scaled PLE token rows (None
+    without PLE); each call appends its rows' K/V to the states and returns final-normed hidden
+    states."""
 
-    def forward_many(self, states: list[KVState], x0: np.ndarray, ple_rows: np.ndarray | None,
-                     counts: list[int]) -> np.ndarray: ...
+    def new_state(self, context: int) -> S:
+        """Empty caches for one sequence of up to ``context`` tokens."""
+        ...
+
+    def forward(self, state: S, x0: np.ndarray, ple_rows: np.ndarray | None, keep: np.ndarray | None = None,
+                capture: list[np.ndarray] | None = None) -> np.ndarray:
+        """One sequence's new rows; the hidden states of the ``keep`` rows (all by default).
+        ``capture`` (debugging) receives the input and each layer's output."""
+        ...
+
+    def forward_batch(self, states: list[S], x0: np.ndarray, ple_rows: np.ndarray | None,
+                      counts: list[int] | None = None) -> np.ndarray:
+        """One decode step of B sequences, ``counts[b]`` rows each (default one); every row's hidden
+        state, each exactly a one-token step's."""
+        ...
+
+    def forward_many(self, states: list[S], x0: np.ndarray, ple_rows: np.ndarray | None,
+                     counts: list[int]) -> np.ndarray:
+        """Several prompts, ``counts[b]`` rows each, in one pass; the hidden state of each one's last row."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -116,8 +137,8 @@ def place_blocks(ids: np.ndarray, slots: list[tuple[int, list[Block]]], hidden: 
 class Engine:
     """Shared, read-only weights and the public step functions over a `KVState`."""
 
-    def __init__(self, graph: Graph, embed: Matrix, lm_head: Matrix, ple_table: Matrix | None, *,
-                 vocab_size: int, embed_scale: float, ple_scale: float, softcap: float | None, context: int,
+    def __init__(self, graph: Graph[Any], embed: Matrix, lm_head: Matrix, ple_table: Matrix | None, *,
+                 vocab_size: int, embed_scale: float | np.floating, ple_scale: float, softcap: float | None, context: int,
                  pad_id: int = 0, threads: int | None = None):
         self.graph = graph
         self.embed = embed

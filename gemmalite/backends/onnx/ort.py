@@ -201,8 +201,8 @@ class OrtGraph:
         return np.concatenate([self._call(state, x0[t:t + step], None if ple_rows is None else ple_rows[t:t + step])
                                for t in range(0, x0.shape[0], step)])
 
-    def forward(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None, keep=None,
-                capture: list | None = None) -> np.ndarray:
+    def forward(self, state: OrtState, x0: np.ndarray, ple_rows: np.ndarray | None, keep: np.ndarray | None = None,
+                capture: list[np.ndarray] | None = None) -> np.ndarray:
         """`DecoderGraph.forward`: the rows through the prefill graph a chunk at a time; the final hidden
         states of ``keep``."""
         if capture is not None:
@@ -224,7 +224,7 @@ class OrtGraph:
                      counts: list[int]) -> np.ndarray:
         ends = np.cumsum(counts)
         return np.concatenate([self.forward(s, x0[e - n:e], None if ple_rows is None else ple_rows[e - n:e],
-                                            keep=[n - 1]) for s, n, e in zip(states, counts, ends)])
+                                            keep=np.array([n - 1])) for s, n, e in zip(states, counts, ends)])
 
 
 def _pad(a: np.ndarray, rows: int) -> np.ndarray:
