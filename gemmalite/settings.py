@@ -182,7 +182,7 @@ def apply() -> None:
         if "numba" in sys.modules:  # numba read its config already: tell its live config instead
             import numba.core.config as nconf
 
-            nconf.CACHE_DIR = folder
+            setattr(nconf, "CACHE_DIR", folder)  # set by numba at run time, unknown to type checkers
         else:
             os.environ["NUMBA_CACHE_DIR"] = folder
 
@@ -204,14 +204,14 @@ def announce_first_compile() -> None:
     from numba.core import event
 
     class _Notice(event.Listener):
-        def on_start(self, ev):
+        def on_start(self, event):
             global _compile_notice_done
             if not _compile_notice_done:
                 _compile_notice_done = True
                 print("gemmalite: preparing kernels for this CPU, first run only (up to a minute)...",
                       file=sys.stderr, flush=True)
 
-        def on_end(self, ev):
+        def on_end(self, event):
             pass
 
     event.register("numba:compile", _Notice())

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -347,8 +347,8 @@ class CachedBPE:
             if not 0 <= i < n or (skip_special_tokens and i in self._special_ids):
                 continue
             tok = tokens[i].replace(_SPACE, " ")
-            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">") and _hex_byte(tok[3:5]) is not None:
-                run.append(_hex_byte(tok[3:5]))
+            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">") and (b := _hex_byte(tok[3:5])) is not None:
+                run.append(b)
                 continue
             if run:
                 parts.append(_utf8_or_replacement(run))
@@ -539,11 +539,11 @@ def cached_bpe(path: Path) -> CachedBPE | None:
         base.mkdir(parents=True, exist_ok=True)
         if arrays is not None:
             tmp = npz.with_name(f"{npz.stem}.tmp{os.getpid()}.npz")
-            np.savez(tmp, **arrays)
+            np.savez(tmp, **cast(dict[str, Any], arrays))  # (the stub would match a key to allow_pickle)
             os.replace(tmp, npz)
         tmp = info.with_name(f"{info.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, info)
     except OSError:
         pass
-    return CachedBPE(arrays, meta, str(path)) if arrays is not None else None
+    return CachedBPE(arrays, meta, str(path)) if arrays is not None and meta is not None else None

@@ -132,7 +132,6 @@ def bench_head(reps, rng, prefill):
         print(f" prefill T={T}:")
         for name, f in (("f32", lambda: xp @ wf.T), ("int8", lambda: m8.matmul(xp)), ("int4", lambda: m4.matmul(xp))):
             print("  " + fmt_fl(name, flop, timeit([f], 3)))
-    del wf
 
 
 def main():

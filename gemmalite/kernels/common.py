@@ -7,6 +7,7 @@ import os
 import threading
 
 import numpy as np
+from numpy.typing import DTypeLike
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import get_num_threads, njit, types
@@ -99,7 +100,7 @@ def compute_threads() -> int:
 _SCRATCH = threading.local()
 
 
-def scratch(n: int, dtype=np.float32) -> np.ndarray:
+def scratch(n: int, dtype: DTypeLike = np.float32) -> np.ndarray:
     """``n`` values of ``dtype`` the calling thread reuses (grown on demand, one buffer per dtype):
     per thread, so two requests computing at once never share one, and reused, so a hot path pays
     no page faults on fresh memory (the prefill's BLAS tiles, each token's log-probabilities)."""

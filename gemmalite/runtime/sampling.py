@@ -119,7 +119,7 @@ def allowed_probs(z: np.ndarray, top_p: float | None, min_p: float | None) -> tu
         return None, _softmax(z, out=z)
     keep = np.arange(z.shape[0])
     probs = _softmax(z)
-    if nucleate:
+    if nucleate and top_p is not None:
         keep = nucleus(probs, top_p)
         probs = _softmax_of(z, keep)
     if min_p:

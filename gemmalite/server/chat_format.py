@@ -15,7 +15,7 @@ from typing import Any
 
 from ..chat import history
 from ..chat.tool_grammar import tool_grammar
-from ..chat.parser import (ChatTokens, Content, Event, OutputParser, Reasoning, ToolCallArgs, ToolCallEnd,
+from ..chat.parser import (Content, Event, OutputParser, Reasoning, ToolCallArgs, ToolCallEnd,
                            ToolCallStart, TurnEnd)
 from .protocol import bad
 from .scheduler import Part, Piece

@@ -11,7 +11,6 @@ reference (``o.assert_parity``); int8 / int4 at bounds measured on gentle checkp
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-import gemmalite.weights.matrix as matrix  # noqa: E402
 import gemmalite.weights.quant as quant  # noqa: E402
 from gemmalite.formats.converted import QUANT_METHOD, assemble  # noqa: E402
 from gemmalite.kernels import blas, common  # noqa: E402
