@@ -131,3 +131,50 @@ def pytest_terminal_summary(terminalreporter) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _ci_forbidden_skips() and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- tiers -----------------------------------------------------------------------------------
+# `pytest -m kernels` (or parity, peers, browser; markers registered in pyproject.toml) runs one
+# tier: each test is marked by the file it lives in. Slow tests stay out unless the -m expression
+# names `slow` (`-m "kernels and slow"`), as they stay out of a plain run.
+TESTS = Path(__file__).resolve().parent
+TIER_PATHS = {  # tier -> files or folders under tests/
+    "kernels": ("kernels/", "weights/"),  # numba / LLVM kernels and weight formats against numpy
+    "peers": ("formats/test_gguf_gemma.py",  # llama.cpp's converter (GEMMALITE_LLAMA_CPP)
+              "formats/test_spm_fuzz.py",  # llama.cpp's tokenizer (llama-cpp-python)
+              "formats/test_gguf_tokenizer.py",  # token ids llama.cpp produced (scripts/oracle_tokenize_llamacpp.py)
+              "models/test_gemma3_270m.py"),  # llama.cpp's logits and text (scripts/oracle_gemma3_llamacpp.py)
+    "browser": ("server/test_ui.py",),  # headless Chromium
+}
+# parity: a test file that imports the reference math (transformers, torch, sentence-transformers,
+# or one of the oracle modules here built on them)
+PARITY_IMPORT = re.compile(r"^\s*(?:import|from)\s+(?:transformers|torch|sentence_transformers|hf_oracle|"
+                           r"eg2_oracle|audio_oracle|vision_oracle|assistant_oracle|media_oracle)\b"
+                           r"|importorskip\(\s*[\"'](?:transformers|torch|sentence_transformers)[\"']", re.M)
+_file_tiers: dict[Path, list[str]] = {}
+
+
+def tiers_of(path: Path) -> list[str]:
+    """The tiers of the tests in ``path`` (a test file under tests/)."""
+    if path not in _file_tiers:
+        if not path.resolve().is_relative_to(TESTS) or path.suffix != ".py":
+            return []
+        rel = path.resolve().relative_to(TESTS).as_posix()
+        found = [t for t, places in TIER_PATHS.items()
+                 if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in places)]
+        if PARITY_IMPORT.search(path.read_text(encoding="utf-8")):
+            found.append("parity")
+        _file_tiers[path] = found
+    return _file_tiers[path]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        for tier in tiers_of(Path(item.path)):
+            item.add_marker(getattr(pytest.mark, tier))
+    if "slow" not in (config.getoption("markexpr") or ""):
+        slow = [i for i in items if i.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [i for i in items if not i.get_closest_marker("slow")]
