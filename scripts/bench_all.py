@@ -19,7 +19,7 @@ llama-server binary, no egemma2, no checkpoint) is a "not run: why" cell, never 
 Results accumulate in OUT/results.json (OUT: docs/benchmarks, or a temporary folder with
 ``--quick``), so ``--only`` reruns a row and the table keeps the rest with their own dates.
 Inputs (the E2B / EG2 rows; random weights of the real shapes): ``python scripts/bench_inputs.py`` makes
-them all once in one folder (``$GEMMALITE_SYNTH``, default /work/synth): ``e2b`` (``gemmalite synth --preset
+them all once in one folder (``$GEMMALITE_SYNTH``, default ~/.cache/gemmalite-synth): ``e2b`` (``gemmalite synth --preset
 e2b``), ``e2b-int8`` / ``e2b-int4`` (``gemmalite convert``), ``e2b-gguf/e2b-Q8_0.gguf`` / ``-Q4_0.gguf`` (llama.cpp's
 convert_hf_to_gguf.py + llama-quantize), ``e2b-assistant`` (the MTP drafter), ``eg2`` and ``eg2-int8``; each
 can be pointed elsewhere (``--e2b`` etc.). llama.cpp's binaries: ``--llama-bin DIR`` (or
@@ -772,10 +772,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="alternations per row (default 2; 3 in a full run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a command may take")
-    synth = Path(os.environ.get("GEMMALITE_SYNTH", "/work/synth"))
+    synth = Path(os.environ.get("GEMMALITE_SYNTH") or Path.home() / ".cache" / "gemmalite-synth")
     for name in INPUTS:
         ap.add_argument(f"--{name}", default=str(synth / name) if (synth / name).exists() else None,
-                        help=f"{INPUTS[name]} (default $GEMMALITE_SYNTH/{name}, $GEMMALITE_SYNTH: /work/synth)")
+                        help=f"{INPUTS[name]} (default $GEMMALITE_SYNTH/{name}, $GEMMALITE_SYNTH: ~/.cache/gemmalite-synth)")
     ap.add_argument("--llama-bin", default=os.environ.get("GEMMALITE_LLAMA_BIN"), metavar="DIR",
                     help="folder of llama.cpp's llama-bench and llama-server (default $GEMMALITE_LLAMA_BIN)")
     ap.add_argument("--llama-server", default=None, metavar="BIN", help="default: in --llama-bin, or on PATH")

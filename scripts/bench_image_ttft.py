@@ -1,13 +1,14 @@
 """Time to the first token of a chat turn with one random 768x768 picture ("What is in this picture?"),
 each engine in its own process, 2 threads; run gemmalite first (it writes the prompt ids that
-transformers then takes, /tmp/img_ids.npy). Run by hand, never in CI:
+transformers then takes, img_ids.npy in the temporary folder). Run by hand, never in CI:
 
     python scripts/bench_image_ttft.py gemmalite MODEL_DIR [int8]
     python scripts/bench_image_ttft.py hf MODEL_DIR            # transformers bf16, same prompt
 """
-import sys, time, json
+import sys, tempfile, time, json
 import numpy as np
 from PIL import Image
+IDS = f"{tempfile.gettempdir()}/img_ids.npy"  # the prompt ids, from the gemmalite run to the transformers one
 rng = np.random.default_rng(0)
 img = Image.fromarray(rng.integers(0, 256, (768, 768, 3), dtype=np.uint8))
 msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What is in this picture?"}]}]
@@ -24,7 +25,7 @@ if which == "gemmalite":
     ids = m.tokenizer.chat_ids(msgs, add_generation_prompt=True)
     full, soft = m.with_images(ids, [img])
     print(json.dumps({"engine": "gemmalite " + " ".join(sys.argv[2:]), "ttft_s": [round(r, 2) for r in res], "prompt_tokens": int(len(full))}))
-    np.save("/tmp/img_ids.npy", full)
+    np.save(IDS, full)
 else:
     import torch
     from transformers import Gemma4ForConditionalGeneration
@@ -33,7 +34,7 @@ else:
     hf = Gemma4ForConditionalGeneration.from_pretrained(sys.argv[2], dtype=torch.bfloat16).eval()
     vc = hf.config.vision_config
     proc = Gemma4ImageProcessorPil(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size, max_soft_tokens=280)
-    ids = torch.tensor(np.load("/tmp/img_ids.npy"))[None]
+    ids = torch.tensor(np.load(IDS))[None]
     res = []
     for rep in range(2):
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ runs only when its output is missing, so a rerun finishes what an interrupted on
     eg2/            gemmalite synth --preset eg2           (EmbeddingGemma 2, image + audio towers)
     eg2-int8/       gemmalite convert --quant int8 eg2
 
-    nice -n 10 python scripts/bench_inputs.py [--synth /work/synth] [--llama-cpp TREE] [--llama-bin DIR]
+    nice -n 10 python scripts/bench_inputs.py [--synth DIR] [--llama-cpp TREE] [--llama-bin DIR]
 
 ``--llama-cpp``: a llama.cpp source tree holding convert_hf_to_gguf.py and its gguf-py (default
 $GEMMALITE_LLAMA_CPP; .ci/run fetches the pinned one); ``--llama-bin``: the folder of the built
@@ -84,7 +84,7 @@ def write_block(path: Path, text: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--synth", type=Path, default=Path(os.environ.get("GEMMALITE_SYNTH", "/work/synth")))
+    ap.add_argument("--synth", type=Path, default=Path(os.environ.get("GEMMALITE_SYNTH") or Path.home() / ".cache" / "gemmalite-synth"))
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("GEMMALITE_LLAMA_CPP"), metavar="TREE")
     ap.add_argument("--llama-bin", type=Path, default=os.environ.get("GEMMALITE_LLAMA_BIN"), metavar="DIR")
     ap.add_argument("--no-gguf", action="store_true", help="skip the GGUFs (no llama.cpp here)")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         cmds = make_ggufs(a.synth, a.llama_cpp, a.llama_bin)
         lines += [f"{GGUF[0]}/: {GGUF[1]}", *(f"    {c}" for c in cmds)]
     lines += ["", f"Use: python scripts/bench_all.py --llama-bin {a.llama_bin or 'DIR'} (it finds these inputs in "
-              "$GEMMALITE_SYNTH, default /work/synth)."]
+              "$GEMMALITE_SYNTH, default ~/.cache/gemmalite-synth)."]
     write_block(a.synth / "README.txt", "\n".join(lines))
     print(f"inputs ready in {a.synth} (README.txt says what each is)", file=sys.stderr)
     return 0

@@ -11,9 +11,9 @@ and `--preset e2b-assistant`), every figure a ratio within this one run (the mac
   the adaptive `DraftPolicy`; runs alternate, repeated ``--rounds`` times, medians reported;
 * the speed-up projected from the measured costs for acceptance rates from 0.3 to 0.9.
 
-    gemmalite synth --preset e2b --layout causal --no-vision /tmp/e2b
-    gemmalite synth --preset e2b-assistant /tmp/e2b-assistant
-    python scripts/bench_mtp.py /tmp/e2b /tmp/e2b-assistant --quant int8
+    gemmalite synth --preset e2b --layout causal --no-vision e2b
+    gemmalite synth --preset e2b-assistant e2b-assistant
+    python scripts/bench_mtp.py e2b e2b-assistant --quant int8
 """
 from __future__ import annotations
 

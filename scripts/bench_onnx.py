@@ -18,8 +18,8 @@ cores other processes kept busy meanwhile (``others``). Exports go to ``--export
 temporary folder, each removed after its format's rounds unless ``--keep``; E2B float: 7.5 GB of
 float32 weights plus 5.5 GB of host tables, so keep room), and an export already there is reused.
 
-    python scripts/bench_onnx.py --model /work/synth/e2b --converted-int8 /work/synth/e2b-int8 \
-        --converted-int4 /work/synth/e2b-int4 --new-tokens 32 --runs 2 --rounds 2 --json onnx.json
+    python scripts/bench_onnx.py --model SYNTH/e2b --converted-int8 SYNTH/e2b-int8 \
+        --converted-int4 SYNTH/e2b-int4 --new-tokens 32 --runs 2 --rounds 2 --json onnx.json
 
 Prints decode / prefill tok/s and peak RSS per runtime and format, and ONNX Runtime's ratio to ours.
 """

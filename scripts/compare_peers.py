@@ -24,7 +24,7 @@ for a quiet moment before each measurement.
 
 GGUFs are converted once and cached in MODEL/gguf/ (``--gguf-dir``; ``scripts/bench_inputs.py`` makes them with
 the llama-quantize binary instead): llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python
-source distribution (``pip download --no-binary :all:`` into /tmp/lcpp_src when absent), writes Q8_0 directly
+source distribution (``pip download --no-binary :all:`` into the temporary folder's lcpp_src when absent), writes Q8_0 directly
 (``--outtype q8_0``); Q4_0 is converted to a bf16 GGUF, then ``llama_cpp.llama_model_quantize`` with
 LLAMA_FTYPE_MOSTLY_Q4_0 (what ``llama-quantize in.gguf Q4_0`` does; the wheel ships no binary), and the bf16
 GGUF is deleted (llama.cpp's own Q4_0 recipe: the tied embedding/LM head and the per-layer embedding table
@@ -36,7 +36,7 @@ Packages (pip): llama-cpp-python==0.3.36, transformers>=5 and torch (CPU), numba
 imports torch, transformers (AutoTokenizer), numpy and its vendored gguf-py; sentencepiece and protobuf are
 only needed for SentencePiece checkpoints. Example (E2B: ~8 min once for the GGUFs, then ~5 min a round):
 
-    python scripts/compare_peers.py --model /work/models/e2b --new-tokens 32 --runs 2 --rounds 3 \
+    python scripts/compare_peers.py --model MODEL --new-tokens 32 --runs 2 --rounds 3 \
         --wait-idle 300 --out peers.json
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -427,7 +428,7 @@ def table(m: dict, bw: float | None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=Path("/work/models/e2b"))
+    ap.add_argument("--model", type=Path, required=True, help="a Hugging Face folder (E2B or E4B)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3, help="timed runs inside each process (median)")
@@ -437,7 +438,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--with-hf-f32", action="store_true",
                     help="also transformers f32 (4 bytes/param of RAM: ~20 GB for E2B with its per-layer table)")
-    ap.add_argument("--lcpp-src", type=Path, default=Path("/tmp/lcpp_src"), help="llama-cpp-python sdist folder")
+    ap.add_argument("--lcpp-src", type=Path, default=Path(tempfile.gettempdir()) / "lcpp_src", help="llama-cpp-python sdist folder")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per measurement process")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
                     help="before each measurement wait up to S seconds for other processes to go quiet")

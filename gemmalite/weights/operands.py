@@ -437,7 +437,7 @@ def with_kernel(op):
 # Fused products up to this many weight bytes in all. One region saves a fork and a join, which
 # pays for small products (the real Gemma 3 270M's q / k / v, 1 MB: 47 against 56 us; its gate / up,
 # 2.8 MB: 100 against 108); E2B's gate / up (17-30 MB) ran 2-4 % slower fused than one after the
-# other (two AVX2 threads, weights from memory, alternating in one process: /work/exp/fuse_order.py),
+# other (two AVX2 threads, weights from memory, alternating in one process),
 # whichever way the tasks were ordered.
 FUSE_MAX_BYTES = 8 << 20
 
