@@ -381,3 +381,81 @@ def test_an_openai_agents_run(live, model):
                          model=OpenAIResponsesModel(model=MODEL_ID, openai_client=client))
     result = asyncio.run(agents.Runner.run(agent, question, max_turns=3))
     assert result.final_output == "It is sunny in Oslo." and seen == ["Oslo"]
+
+
+def _wav() -> bytes:
+    import io
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\0\0" * 160)
+    return buf.getvalue()
+
+
+def test_pictures_and_clips_read_as_the_chat_path_reads_them(live_real):
+    """input_image / input_audio parts become the chat path's image_url / input_audio parts (its own
+    reading, which the vision and audio server tests hold to the model); a model without the tower
+    refuses them as chat does."""
+    import base64
+
+    from gemmalite.server.protocol import Limits, chat_messages
+    from gemmalite.server.responses_input import conversation_messages, input_items
+
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nnot really").decode()
+    clip = {"data": base64.b64encode(_wav()).decode(), "format": "wav"}
+    items = input_items([{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                                      {"type": "input_image", "image_url": url, "detail": "auto"},
+                                                      {"type": "input_audio", "input_audio": clip}]}])
+    msgs, _ = conversation_messages([(f"input[{i}]", x) for i, x in enumerate(items)], "Be brief.")
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "input_audio", "input_audio": clip}]}]
+    assert chat_messages({"messages": msgs}, Limits()) == chat_messages({"messages": chat}, Limits())
+    status, _, out = live_real.raw("POST", "/v1/responses", {"model": MODEL_ID, "input": items})
+    assert status == 400 and out["error"]["code"] == "images_not_supported" and out["error"]["param"] == "input", out
+
+
+def test_a_dropped_stream_frees_its_slot(live_real):
+    import socket
+    import time
+
+    before = live_real.metric("gemmalite_finished_total", '{reason="cancelled"}')
+    sock = socket.create_connection(("127.0.0.1", live_real.port))
+    body = json.dumps({"model": MODEL_ID, "input": "Once", "max_output_tokens": 450, "temperature": 1.0, "seed": 1,
+                       "stream": True}).encode()
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"response.output_text.delta") < 3:  # the stream is running
+        got += sock.recv(65536)
+    sock.close()
+    t0 = time.time()
+    while live_real.metric("gemmalite_finished_total", '{reason="cancelled"}') == before:
+        assert time.time() - t0 < 10, "the dropped stream was not cancelled"
+        time.sleep(0.05)
+    assert live_real.metric("gemmalite_active_sequences") == 0
+    assert live_real.raw("GET", "/health", key=None)[0] == 200
+
+
+def test_a_follow_up_is_the_chat_conversation(live_real):
+    """previous_response_id rebuilds the conversation (instructions given again, as OpenAI's are not
+    carried over): the reply is chat completions' for the whole history."""
+    c = live_real.client()
+    first = c.responses.create(model=MODEL_ID, input=PROMPTS[0], instructions=SYSTEM, max_output_tokens=12,
+                               temperature=0)
+    follow = c.responses.create(model=MODEL_ID, previous_response_id=first.id, input="And then?", instructions=SYSTEM,
+                                max_output_tokens=12, temperature=0)
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[0]},
+               {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And then?"}]
+    chat = c.chat.completions.create(model=MODEL_ID, messages=history, max_tokens=12, temperature=0)
+    assert follow.output_text == chat.choices[0].message.content
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    bare = c.responses.create(model=MODEL_ID, previous_response_id=first.id, input="And then?", max_output_tokens=12,
+                              temperature=0)
+    chat = c.chat.completions.create(model=MODEL_ID, messages=history[1:], max_tokens=12, temperature=0)
+    assert bare.output_text == chat.choices[0].message.content and bare.usage.input_tokens == chat.usage.prompt_tokens
