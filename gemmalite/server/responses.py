@@ -116,6 +116,11 @@ class OutputItems:
         item["status"] = status
         return out + [_event("response.output_item.done", output_index=i, item=item)]
 
+    def _current(self, kind: str) -> dict[str, Any]:
+        if self.open is None or self.open["type"] != kind:  # (the chat parser opens a call before its arguments)
+            raise RuntimeError(f"a {kind} event with no {kind} item open")
+        return self.open
+
     def push(self, ev: Any) -> list[dict]:
         out: list[dict] = []
         kind = "message" if isinstance(ev, (Content, Piece)) else "reasoning" if isinstance(ev, Reasoning) else None
@@ -131,7 +136,7 @@ class OutputItems:
                     out += self._add({"id": _id("rs"), "type": "reasoning", "summary": [], "content": [],
                                       "status": "in_progress"}, {"type": "reasoning_text", "text": ""})
             self.text += ev.text
-            item = self.open
+            item = self._current(kind)
             i = len(self.items) - 1
             if kind == "message":
                 out.append(_event("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
@@ -144,8 +149,9 @@ class OutputItems:
             out += self._add({"id": _id("fc"), "type": "function_call", "call_id": ev.id, "name": ev.name,
                               "arguments": "", "status": "in_progress"}, None)
         elif isinstance(ev, ToolCallArgs):
-            self.open["arguments"] += ev.text
-            out.append(_event("response.function_call_arguments.delta", item_id=self.open["id"],
+            item = self._current("function_call")
+            item["arguments"] += ev.text
+            out.append(_event("response.function_call_arguments.delta", item_id=item["id"],
                               output_index=len(self.items) - 1, delta=ev.text))
         elif isinstance(ev, ToolCallEnd):
             out += self._close("completed" if ev.complete else "incomplete")

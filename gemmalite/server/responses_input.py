@@ -225,7 +225,7 @@ def _parts(content: Any, where: str, role: str) -> str | list[dict[str, Any]]:
         pw = f"{where}.content[{j}]"
         kind = p.get("type") if isinstance(p, dict) else None
         allowed = ("output_text", "input_text") if role == "assistant" else ("input_text", "input_image", "input_audio")
-        if kind not in allowed:
+        if not isinstance(kind, str) or kind not in allowed:
             raise bad(f"{pw}: content parts of type {kind!r} are not supported in a {role} message here "
                       f"({', '.join(allowed)})", f"{pw}.type", "unsupported_parameter")
         for key, value in p.items():
@@ -302,7 +302,7 @@ def conversation_messages(items: list[tuple[str, dict]], instructions: str | Non
                 joins = last is not None and last["role"] == "assistant" and last["content"] is None \
                     and not last.get("tool_calls")
                 m = assistant(where, fresh=not joins)
-                m["content"] = content if isinstance(content, str) else "".join(p["text"] for p in content)
+                m["content"] = content if isinstance(content, str) else "\n".join(p["text"] for p in content)  # (as chat's)
             else:
                 msgs.append({"role": role, "content": content})
                 origins.append(Origin(where))
