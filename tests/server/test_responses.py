@@ -379,8 +379,16 @@ def test_an_openai_agents_run(live, model):
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{live.port}/v1", api_key=KEY, max_retries=0, timeout=60)
     agent = agents.Agent(name="weather", instructions=instructions, tools=[get_weather],
                          model=OpenAIResponsesModel(model=MODEL_ID, openai_client=client))
-    result = asyncio.run(agents.Runner.run(agent, question, max_turns=3))
-    assert result.final_output == "It is sunny in Oslo." and seen == ["Oslo"]
+
+    async def runs():  # a run, then the same run on the typed event stream (one event loop: one client)
+        result = await agents.Runner.run(agent, question, max_turns=3)
+        streamed = agents.Runner.run_streamed(agent, question, max_turns=3)
+        kinds = [ev.type async for ev in streamed.stream_events()]
+        return result.final_output, streamed.final_output, kinds
+
+    final, final_streamed, kinds = asyncio.run(runs())
+    assert final == final_streamed == "It is sunny in Oslo." and seen == ["Oslo", "Oslo"]
+    assert "raw_response_event" in kinds
 
 
 def _wav() -> bytes:
