@@ -34,17 +34,14 @@ from ..vision.prompt import message_images
 from . import chat_format
 from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
-from .protocol import (CHAT_ONLY, APIError, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt,
-                       embedding_inputs, generation, opt_int, reject_unsupported, require_model, transcription_messages,
-                       transcription_options)
+from .protocol import (CHAT_ONLY, APIError, ClientGone, Generation, Limits, bad, chat_messages, clip_bytes,
+                       completion_prompt, embedding_inputs, generation, opt_int, reject_unsupported, require_model,
+                       transcription_messages, transcription_options)
+from .responses import Responses
 from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
 from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
-
-
-class ClientGone(Exception):
-    """The client closed the request: nobody reads the rest (`Server.relay` has cancelled its work)."""
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -558,8 +555,12 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.metrics.inc("gemmalite_requests_total", labels={"endpoint": "other", "status": str(exc.status_code)})
         return _error_response(e)
 
+    responses = Responses(srv)
     routes = [
         srv.route("/v1/chat/completions", srv.chat_completions, ["POST"]),
+        srv.route("/v1/responses", responses.create, ["POST"]),
+        srv.route("/v1/responses/{id}", responses.retrieve, ["GET"]),
+        srv.route("/v1/responses/{id}", responses.delete, ["DELETE"]),
         srv.route("/v1/completions", srv.completions, ["POST"]),
         srv.route("/v1/embeddings", srv.embeddings, ["POST"]),
         srv.route("/v1/audio/transcriptions", srv.transcriptions, ["POST"]),
