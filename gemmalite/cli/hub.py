@@ -6,9 +6,14 @@ import json
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
     from ..loader import resolve
 
-    print(resolve(a.model, refresh=True))
+    path = resolve(a.model, refresh=True)  # a local path or the bundled name: printed as it is
+    if not path.exists():
+        raise CheckpointError(f"{a.model}: no such file or folder, and not a Hub id (org/name, org/name:QUANT, "
+                              "org/name/file.gguf)")
+    print(path)
     return 0
 
 

@@ -16,6 +16,7 @@ from huggingface_hub import constants
 from huggingface_hub.utils import validate_repo_id
 
 from gemmalite.cli import main
+from gemmalite.cli.serve import _name as serve_name
 from gemmalite.errors import CheckpointError, HubError
 from gemmalite.formats.hub import parse
 from gemmalite.loader import resolve
@@ -103,7 +104,7 @@ def test_quant_tag_picks_one_gguf_and_the_mmproj(hub):
         resolve("org/tiny-GGUF/nope.gguf")
 
 
-def test_cached_models_resolve_without_the_network(hub, monkeypatch):
+def test_cached_models_resolve_without_the_network(hub, monkeypatch, capsys):
     first = {spec: resolve(spec) for spec in ("org/tiny-GGUF:Q8_0", "org/tiny-GGUF")}
     hub.log.clear()
     assert {spec: resolve(spec) for spec in first} == first  # online, cached: the cache answers
@@ -118,6 +119,10 @@ def test_cached_models_resolve_without_the_network(hub, monkeypatch):
         import gemmalite
 
         gemmalite.load("org/never")
+    capsys.readouterr()
+    assert main(["run", "org/never", "hi"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("gemmalite: error: org/never: not in the Hugging Face cache")
     assert hub.log == []
 
 
@@ -148,6 +153,7 @@ def test_a_local_path_wins_over_a_hub_id(hub, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "tiny-GGUF").mkdir(parents=True)
     assert resolve("org/tiny-GGUF") == tmp_path.joinpath("org", "tiny-GGUF").relative_to(tmp_path)
+    assert (serve_name("org/tiny-GGUF"), serve_name("org/other-GGUF")) == ("tiny-GGUF", "org/other-GGUF")
     assert hub.log == []
 
 
@@ -216,6 +222,10 @@ def test_load_by_hub_id_gives_the_folders_logits(hub, tiny, monkeypatch, gl):
     np.testing.assert_array_equal(model.logits(ids), oracle.logits(ids))
     offline(monkeypatch, hub)
     np.testing.assert_array_equal(gl.load("org/tiny", context=64).logits(ids), oracle.logits(ids))
+    with pytest.raises(HubError, match="org/no-drafter: not in the Hugging Face cache"):
+        gl.load(tiny, context=64, drafter="org/no-drafter")  # every MODEL argument takes a Hub id
+    with pytest.raises(HubError, match="org/no-embedder: not in the Hugging Face cache"):
+        gl.load_embedder("org/no-embedder")
     assert hub.log == []
 
 
@@ -227,6 +237,9 @@ def test_pull_ls_rm(hub, tiny, capsys, monkeypatch):
     assert main(["pull", "org/tiny"]) == 0
     folder = capsys.readouterr().out.strip()
     assert folder == os.path.dirname(huggingface_hub.try_to_load_from_cache("org/tiny", "config.json"))
+
+    assert main(["pull", "no-such-folder"]) == 1
+    assert "no-such-folder: no such file or folder, and not a Hub id" in capsys.readouterr().err
 
     scan = {r.repo_id: r for r in huggingface_hub.scan_cache_dir().repos}  # the oracle of sizes
     assert main(["ls", "--json"]) == 0
