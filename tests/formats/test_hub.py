@@ -229,6 +229,19 @@ def test_load_by_hub_id_gives_the_folders_logits(hub, tiny, monkeypatch, gl):
     assert hub.log == []
 
 
+def test_load_embedder_by_hub_id_gives_the_folders_embeddings(hub, tmp_path_factory, gl):
+    from gemmalite.tools.synth_eg2 import synth_eg2
+
+    folder = synth_eg2("eg2-tiny", tmp_path_factory.mktemp("eg2"), progress=False)
+    hub.add_folder("org/eg2-tiny", folder, extra={"onnx/model.onnx": b"not needed"})
+    emb = gl.load_embedder("org/eg2-tiny")
+    got = snapshot_files(resolve("org/eg2-tiny"))
+    assert got == {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}  # the pipeline's too
+    texts = ["a query about the Hub", "a document"]
+    np.testing.assert_array_equal(emb.embed(texts, prompt_name="SearchQuery"),
+                                  gl.load_embedder(folder).embed(texts, prompt_name="SearchQuery"))
+
+
 # --- pull, ls, rm
 def test_pull_ls_rm(hub, tiny, capsys, monkeypatch):
     hub.add_folder("org/tiny", tiny)
