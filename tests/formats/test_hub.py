@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import huggingface_hub
 import numpy as np
@@ -51,7 +53,7 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     fake.repos["org/tiny-GGUF"] = Repo(dict(GGUF_FILES))
     yield fake
@@ -86,6 +88,15 @@ def test_hub_ids_parse_into_repository_quant_and_file(spec, want):
                                   "org/name:", "a/b/c/d", "org--x/name", "org/na me", "org/name.gguf/", ""])
 def test_paths_and_names_are_no_hub_ids(spec):
     assert parse(spec) is None
+
+
+def test_huggingface_hub_is_imported_only_for_a_hub_id(tmp_path):
+    code = ("import sys, gemmalite, gemmalite.cli\n"
+            "from gemmalite.loader import resolve\n"
+            f"resolve({str(tmp_path)!r}), resolve('no/such-thing/here')\n"
+            "print('huggingface_hub' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["False"]
 
 
 # --- GGUF repositories: the one file asked for, its mmproj beside it
