@@ -310,7 +310,7 @@ def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A tokenizer from a tokenizer.json, a checkpoint folder, a GGUF file (vocabulary-only too),
-    or a bundled model's name (``gemma3-270m``)."""
+    a bundled model's name (``gemma3-270m``) or a Hub id (`resolve`)."""
     p = resolve(path)
     if p.is_dir():
         tok = load_tokenizer_folder(p)

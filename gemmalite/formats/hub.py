@@ -126,10 +126,10 @@ def _storage(repo: str) -> Path:
     return Path(hf.constants.HF_HUB_CACHE) / hf.file_download.repo_folder_name(repo_id=repo, repo_type="model")
 
 
-def _cached(hub_id: HubId) -> Path | None:
-    """The local path of ``hub_id`` where the cache holds every file it needs (no network); else None.
-    The repository's file list is the tree listing huggingface_hub cached with the snapshot, or
-    failing that the snapshot's own files."""
+def _cached(hub_id: HubId) -> Path | HubError | None:
+    """The local path of ``hub_id`` where the cache holds every file it needs (no network); else None,
+    or the `plan` error of the repository's cached listing. That listing is the tree huggingface_hub
+    cached with the snapshot, or failing that the snapshot's own files."""
     hf = _hub()
     ref = _storage(hub_id.repo) / "refs" / "main"
     if not ref.is_file():
@@ -141,8 +141,8 @@ def _cached(hub_id: HubId) -> Path | None:
         files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
     try:
         need, entry = plan(hub_id, files)
-    except HubError:
-        return None  # not decided by what is cached: the Hub's own listing decides
+    except HubError as e:
+        return e  # online, the Hub's own listing decides
     if not need or not all(isinstance(hf.try_to_load_from_cache(hub_id.repo, f), str) for f in need):
         return None
     return snapshot / entry if entry else snapshot
@@ -160,17 +160,18 @@ def resolve_hub(spec: str, *, refresh: bool = False) -> Path:
     hf = _hub()
     cached = _cached(hub_id)
     offline = hf.constants.is_offline_mode()
-    if cached is not None and (not refresh or offline):
+    if isinstance(cached, Path) and (not refresh or offline):
         return cached
     if offline:
         raise HubError(f"{spec}: not in the Hugging Face cache ({hf.constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is "
-                       f"set: download it where the Hub is reachable (gemmalite pull {spec})")
+                       f"set: download it where the Hub is reachable (gemmalite pull {spec})"
+                       + (f"; the cached listing says: {cached}" if isinstance(cached, HubError) else ""))
     try:
         info = hf.HfApi().model_info(hub_id.repo)
         need, entry = plan(hub_id, [s.rfilename for s in info.siblings or []])
         folder = Path(hf.snapshot_download(hub_id.repo, allow_patterns=[glob.escape(f) for f in need]))
     except Exception as e:
-        _raise_hub_error(spec, hub_id.repo, e, cached is not None)
+        _raise_hub_error(spec, hub_id.repo, e, isinstance(cached, Path))
         raise
     path = folder / entry if entry else folder
     if not path.exists():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,7 +25,7 @@ from urllib.parse import unquote, urlparse
 @dataclass
 class Repo:
     files: dict[str, bytes]
-    commit: str = "a" * 40
+    commit: str = field(default_factory=lambda: os.urandom(20).hex())  # unique across repositories, as git's
     token: str | None = None  # gated: only this token may download files
 
 

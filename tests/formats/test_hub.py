@@ -124,6 +124,9 @@ def test_cached_models_resolve_without_the_network(hub, monkeypatch, capsys):
     assert {spec: resolve(spec) for spec in first} == first
     with pytest.raises(HubError, match="org/tiny-GGUF:Q6_K: not in the Hugging Face cache .* HF_HUB_OFFLINE"):
         resolve("org/tiny-GGUF:Q6_K")  # the repository is cached, this file is not
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE .* the cached listing says: .* no .gguf file of "
+                                       "org/tiny-GGUF is quantized Q2_K"):
+        resolve("org/tiny-GGUF:Q2_K")
     with pytest.raises(HubError, match="org/never: not in the Hugging Face cache .* HF_HUB_OFFLINE"):
         resolve("org/never")
     with pytest.raises(CheckpointError, match="org/never: not in the Hugging Face cache"):
