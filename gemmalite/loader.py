@@ -14,8 +14,7 @@ from .formats.folder import load_folder, read_config, read_json, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
-from .formats.hub import parse as parse_hub_id
-from .formats.hub import resolve_hub
+from .formats.hub import local_path
 from .model import Model
 from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
 from .backends.onnx import MANIFEST as ONNX_MANIFEST
@@ -48,10 +47,8 @@ def resolve(path: str | Path, *, refresh: bool = False) -> Path:
     ``org/name:QUANT``, ``org/name/file.gguf``: `formats.hub.resolve_hub`, downloaded when not cached;
     ``refresh`` asks the Hub for its latest revision), else the path as given."""
     p = Path(path)
-    if p.exists():
-        return p
-    if str(path) not in BUNDLED:
-        return resolve_hub(str(path), refresh=refresh) if isinstance(path, str) and parse_hub_id(path) else p
+    if p.exists() or str(path) not in BUNDLED:
+        return local_path(path, refresh=refresh)
     try:
         pkg = importlib.import_module(BUNDLED[str(path)])
     except ImportError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -146,6 +147,15 @@ def _cached(hub_id: HubId) -> Path | HubError | None:
     if not need or not all(isinstance(hf.try_to_load_from_cache(hub_id.repo, f), str) for f in need):
         return None
     return snapshot / entry if entry else snapshot
+
+
+def local_path(path: str | os.PathLike, *, refresh: bool = False) -> Path:
+    """``path`` as a `Path` where it exists or is no Hub id (a `str` spelling one); else the Hub cache's
+    copy of that id (`resolve_hub`). A local path always wins."""
+    p = Path(path)
+    if p.exists() or not isinstance(path, str) or parse(path) is None:
+        return p
+    return resolve_hub(path, refresh=refresh)
 
 
 def resolve_hub(spec: str, *, refresh: bool = False) -> Path:
