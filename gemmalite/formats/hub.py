@@ -194,11 +194,16 @@ def _raise_hub_error(spec: str, repo: str, e: Exception, cached: bool) -> None:
     """A `HubError` for huggingface_hub's (and its HTTP client's) errors; returns for anything else."""
     hf = _hub()
     errors = hf.errors
-    if isinstance(e, errors.GatedRepoError) or (isinstance(e, errors.HfHubHTTPError) and e.response is not None
-                                                 and e.response.status_code in (401, 403)
-                                                 and not isinstance(e, errors.RepositoryNotFoundError)):
+    if isinstance(e, errors.LocalEntryNotFoundError) and isinstance(e.__cause__, errors.HfHubHTTPError):
+        e = e.__cause__  # a refused file: huggingface_hub says it is not cached, its cause says why
+    if isinstance(e, errors.GatedRepoError):
         raise HubError(f"{spec}: access to {repo} was refused: it is gated, accept its licence at {_page(repo)} "
                        "while logged in, then set HF_TOKEN to a token of that account") from None
+    if (isinstance(e, errors.HfHubHTTPError) and not isinstance(e, errors.RepositoryNotFoundError)
+            and e.response is not None and e.response.status_code in (401, 403)):
+        raise HubError(f"{spec}: access to {repo} was refused (HTTP {e.response.status_code}): a gated repository's "
+                       f"licence is accepted at {_page(repo)} while logged in, and HF_TOKEN must be a token of that "
+                       "account that may read it") from None
     if isinstance(e, errors.RepositoryNotFoundError):
         raise HubError(f"{spec}: no such local file or folder, and no model repository {repo} on the Hub "
                        f"({_page(repo)}; a private one needs HF_TOKEN)") from None

@@ -6,7 +6,7 @@
   ``Content-Length``, a ``Range: bytes=N-`` request answered 206 with the rest.
 
 Errors carry the Hub's ``X-Error-Code`` header (``RepoNotFound``, ``EntryNotFound``, ``GatedRepo``:
-401 without a token, 403 with another one). Every request is logged (method, path, Range,
+401 without a token, 403 with another one; a repository's ``error_code=None`` refuses without one). Every request is logged (method, path, Range,
 Authorization); `cut` makes the next full GET of a file stop after N bytes and the next resumes of
 it (``Range``) fail with 500, as many as asked.
 """
@@ -27,6 +27,7 @@ class Repo:
     files: dict[str, bytes]
     commit: str = field(default_factory=lambda: os.urandom(20).hex())  # unique across repositories, as git's
     token: str | None = None  # gated: only this token may download files
+    error_code: str | None = "GatedRepo"  # the X-Error-Code of a refusal (None: a bare 401 / 403)
 
 
 @dataclass
@@ -107,7 +108,8 @@ class FakeHub:
             return self._send(h, 404, b"", {"X-Error-Code": "RepoNotFound"})
         if repo.token is not None and h.headers.get("Authorization") != f"Bearer {repo.token}":
             status = 401 if h.headers.get("Authorization") is None else 403
-            return self._send(h, status, b"", {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access restricted"})
+            code = {"X-Error-Code": repo.error_code} if repo.error_code else {}
+            return self._send(h, status, b"", {**code, "X-Error-Message": "Access restricted"})
         if file not in repo.files:
             return self._send(h, 404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit})
         data = repo.files[file]

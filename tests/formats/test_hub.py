@@ -195,6 +195,17 @@ def test_a_gated_repository_names_its_licence_page_until_a_token_is_given(hub, m
     assert {r.auth for r in hub.requests("GET", "/org/gated-GGUF/resolve")} == {"Bearer hf_granted"}
 
 
+@pytest.mark.parametrize("token, status", [(None, 401), ("hf_other", 403)])
+def test_a_bare_refusal_names_the_licence_page_too(hub, monkeypatch, token, status):
+    hub.repos["org/private-GGUF"] = Repo(dict(GGUF_FILES), token="hf_granted", error_code=None)
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    page = f"{constants.ENDPOINT}/org/private-GGUF"
+    with pytest.raises(HubError, match=rf"access to org/private-GGUF was refused \(HTTP {status}\): .* accepted at {page} "):
+        resolve("org/private-GGUF:Q8_0")
+    assert hub.requests("HEAD")[-1].status == status
+
+
 def test_an_interrupted_download_resumes_where_it_stopped(hub, monkeypatch):
     # huggingface_hub writes what it receives in chunks of DOWNLOAD_CHUNK_SIZE (10 MB): 1000 here, so that
     # the 3000 bytes sent before the connection drops reach the disk
