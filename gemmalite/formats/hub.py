@@ -24,6 +24,7 @@ from ..errors import HubError
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?"
 _ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?::(?P<quant>[A-Za-z0-9][A-Za-z0-9_.-]*)"
                  rf"|/(?P<file>(?:[^/\\:]+/)*[^/\\:]+\.gguf))?")
+_HOST = re.compile(r"^(?:https://)?(?:hf\.co|huggingface\.co)/")
 _SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's -hf default, then the repository's first .gguf
 # the files of a safetensors checkpoint gemmalite reads (root; sentence-transformers modules' configs)
@@ -44,8 +45,9 @@ class HubId:
 
 
 def parse(spec: str) -> HubId | None:
-    """The Hub id ``spec`` spells, or None where it is not one (callers check local paths first)."""
-    m = _ID.fullmatch(spec)
+    """The Hub id ``spec`` spells, or None where it is not one (callers check local paths first).
+    Ollama's ``hf.co/org/name:QUANT`` and a ``https://huggingface.co/org/name`` address name it too."""
+    m = _ID.fullmatch(_HOST.sub("", spec, count=1))
     if m is None or "--" in m["repo"] or ".." in m["repo"]:
         return None
     return HubId(m["repo"], m["quant"], m["file"])

@@ -77,6 +77,8 @@ def snapshot_files(path) -> set[str]:
     ("ggml-org/gemma-4-E2B-it-GGUF:Q4_K_M", ("ggml-org/gemma-4-E2B-it-GGUF", "Q4_K_M", None)),
     ("unsloth/x-GGUF:UD-Q4_K_XL", ("unsloth/x-GGUF", "UD-Q4_K_XL", None)),
     ("org/name/sub/model-Q8_0.gguf", ("org/name", None, "sub/model-Q8_0.gguf")),
+    ("hf.co/org/name-GGUF:Q8_0", ("org/name-GGUF", "Q8_0", None)),  # as ollama pull takes it
+    ("https://huggingface.co/org/name", ("org/name", None, None)),
 ])
 def test_hub_ids_parse_into_repository_quant_and_file(spec, want):
     got = parse(spec)
@@ -106,6 +108,7 @@ def test_quant_tag_picks_one_gguf_and_the_mmproj(hub):
     assert snapshot_files(path) == {"tiny-Q8_0.gguf", "mmproj-tiny-f16.gguf"}  # only what the model needs
     assert path.parent.parent.parent.name == "models--org--tiny-GGUF"  # the Hub cache's own layout
     assert huggingface_hub.try_to_load_from_cache("org/tiny-GGUF", "tiny-Q8_0.gguf") == str(path)
+    assert resolve("hf.co/org/tiny-GGUF:Q8_0") == path
     assert resolve("org/tiny-GGUF:Q4_K").name == "tiny-Q4_K.gguf"  # a whole tag: not tiny-Q4_K_M
     assert resolve("org/tiny-GGUF").name == "tiny-Q4_K_M.gguf"  # no tag: Q4_K_M
     assert resolve("org/tiny-GGUF/tiny-Q6_K.gguf").name == "tiny-Q6_K.gguf"
