@@ -6,8 +6,8 @@ from . import settings
 settings.apply()
 from .chat import ChatReply, ToolCall  # noqa: E402
 from .embeddings import Embedder  # noqa: E402
-from .errors import (AudioError, CheckpointError, ConfigError, ContextError, ImageError, InputError,  # noqa: E402
-                     NumericalError, TokenizerError)
+from .errors import (AudioError, CheckpointError, ConfigError, ContextError, HubError, ImageError,  # noqa: E402
+                     InputError, NumericalError, TokenizerError)
 from .loader import load, load_embedder, load_tokenizer  # noqa: E402
 from .model import ChatSession, Completion, Model  # noqa: E402
 from .runtime.constrain import Grammar  # noqa: E402
@@ -17,7 +17,7 @@ from .tokenizer import Tokenizer  # noqa: E402
 
 __all__ = ["load", "load_tokenizer", "load_embedder", "Model", "ChatSession", "Stream", "GenerationStats", "Tokenizer",
            "Grammar", "Completion", "TokenLogprob", "ChatReply", "ToolCall",
-           "Embedder", "AudioError", "CheckpointError", "ConfigError", "ContextError", "ImageError", "InputError",
+           "Embedder", "AudioError", "CheckpointError", "ConfigError", "ContextError", "HubError", "ImageError", "InputError",
            "NumericalError",
            "TokenizerError"]
 __version__ = settings.VERSION

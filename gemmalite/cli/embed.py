@@ -59,7 +59,7 @@ def cmd_embed(a: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embed", help="sentence embeddings (EmbeddingGemma 2) of texts or of a JSONL corpus")
-    p.add_argument("model", help="EmbeddingGemma 2 checkpoint folder (or its gemmalite export, with --backend onnxruntime)")
+    p.add_argument("model", help="EmbeddingGemma 2 checkpoint folder or Hub id (or its gemmalite export, with --backend onnxruntime)")
     p.add_argument("texts", nargs="*", metavar="TEXT")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="embed this image (repeatable; one embedding each, after the TEXTs)")

@@ -40,11 +40,12 @@ def use_threads(a: argparse.Namespace) -> None:
 
 
 def load_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint folder, .gguf file, or gemma3-270m (the bundled demo model)")
+    p.add_argument("model", help="checkpoint folder, .gguf file, Hugging Face Hub id (org/name, org/name:QUANT, "
+                                 "org/name/file.gguf; see docs/models.md), or gemma3-270m (the bundled demo model)")
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
     p.add_argument("--quant", choices=["int8", "int4"], default=None, help="quantize weights on load")
     p.add_argument("--drafter", default=None,
-                   help="gemma4_assistant folder: MTP speculative decoding (the same text, fewer target steps)")
+                   help="gemma4_assistant folder or Hub id: MTP speculative decoding (the same text, fewer target steps)")
     p.add_argument("--gguf-prefill", choices=["float", "int8"], default="float",
                    help="a .gguf's prompts on Q4_0 / Q5_0 / Q8_0 weights: float32 math (default), or activations "
                         "rounded to int8 per 32 values as llama.cpp does (VNNI CPUs: faster, logits ~0.5 off)")

@@ -12,13 +12,13 @@ from .generate import load_args, load_model
 def add_parsers(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     load_args(p)
-    p.add_argument("--embedder", default=None, help="EmbeddingGemma checkpoint to serve /v1/embeddings")
+    p.add_argument("--embedder", default=None, help="EmbeddingGemma checkpoint (folder or Hub id) to serve /v1/embeddings")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--max-concurrency", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 503)")
-    p.add_argument("--model-name", default=None, help="model id clients send (default: the folder name)")
+    p.add_argument("--model-name", default=None, help="model id clients send (default: the Hub id, or the folder name)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on max_tokens per request")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished KV states kept for prefix reuse")
     p.add_argument("--prompt-lookup", action="store_true",
@@ -29,15 +29,18 @@ def add_parsers(sub) -> None:
 
 
 def _name(path: str) -> str:
+    """The model id clients send: a Hub id as given, else the folder's (file's) name."""
+    from ..formats.hub import parse
+
+    if not Path(path).exists() and parse(path) is not None:
+        return path
     return Path(path.rstrip("/")).name or path
 
 
 def load_embedder(path: str):
-    """The EmbeddingGemma embedder (from gemmalite.embeddings, when installed)."""
-    try:
-        from ..embeddings import load_embedder as load  # type: ignore[attr-defined]
-    except ImportError:
-        raise ValueError("--embedder needs gemmalite.embeddings, which this installation does not have") from None
+    """The EmbeddingGemma embedder of a folder or a Hub id (`gemmalite.loader.load_embedder`)."""
+    from ..loader import load_embedder as load
+
     return load(path)
 
 

@@ -58,15 +58,17 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    from ..loader import resolve
     from ..tools.bench import bench, format_table
 
-    if _is_encoder_folder(a.model):  # EmbeddingGemma 2: query latency and documents/s instead
+    model = str(resolve(a.model))  # a Hub id's download is no part of the load time
+    if _is_encoder_folder(model):  # EmbeddingGemma 2: query latency and documents/s instead
         from ..tools.bench_embed import bench_embedder, format_embed_table
 
-        r = bench_embedder(a.model, quant=a.quant, runs=a.runs)
+        r = bench_embedder(model, quant=a.quant, runs=a.runs)
         print(json.dumps(r) if a.json else format_embed_table(r))
         return 0
-    r = bench(a.model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
+    r = bench(model, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, runs=a.runs, quant=a.quant,
               context=a.context, progress=not a.json, threads=a.threads, backend=a.backend,
               providers=a.providers, static_shapes=a.static_shapes, huge_pages=pages.SETTINGS[a.huge_pages])
     print(json.dumps(r) if a.json else format_table(r))
@@ -74,8 +76,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _is_encoder_folder(path: str) -> bool:
-    from pathlib import Path
-
     from ..models.gemma.encoder import is_encoder_config
 
     cfg = Path(path) / "config.json"
@@ -109,7 +109,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("convert", help="write an int8/int4 checkpoint that loads instantly")
-    p.add_argument("model", help="Hugging Face checkpoint folder (a GGUF file is already quantized: run it directly)")
+    p.add_argument("model", help="Hugging Face checkpoint folder or Hub id (a GGUF file is already quantized: run it directly)")
     p.add_argument("out")
     p.add_argument("--quant", choices=["int8", "int4"], required=True)
     p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
@@ -119,7 +119,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="the decoder graph as ONNX (static decode / prefill graphs and one with a free "
                                       "row count, weights beside them) in a folder that loads with --backend onnxruntime")
-    p.add_argument("model", help="checkpoint folder (float, or a gemmalite convert output)")
+    p.add_argument("model", help="checkpoint folder or Hub id (float, or a gemmalite convert output)")
     p.add_argument("out", help="folder to write the graphs, their weights and the host side's files into")
     p.add_argument("--format", choices=["onnx"], default="onnx")
     p.add_argument("--context", type=int, default=None, help="positions the full layers' caches hold")

@@ -27,9 +27,10 @@ class EmbedBatch:
             import numba
 
             numba.set_num_threads(threads)
+        from ..formats.hub import local_path
         from . import load_embedder
 
-        self.embedder = load_embedder(path, quant=quant)
+        self.embedder = load_embedder(local_path(path), quant=quant)  # a Hub id: each actor's cache
         self.text_column, self.output_column = text_column, output_column
         self.kwargs = embed_kwargs
 
