@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -34,17 +35,15 @@ from ..vision.prompt import message_images
 from . import chat_format
 from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
-from .protocol import (CHAT_ONLY, APIError, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt,
+from .ollama import WARNING_HEADER, ollama_routes
+from .protocol import (CHAT_ONLY, APIError, ClientGone, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt,
                        embedding_inputs, generation, opt_int, reject_unsupported, require_model, transcription_messages,
                        transcription_options)
 from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
 from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
-
-
-class ClientGone(Exception):
-    """The client closed the request: nobody reads the rest (`Server.relay` has cancelled its work)."""
+log = logging.getLogger(__name__)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -77,6 +76,17 @@ class Server:
         self.logprob_format = LogprobFormat(self.tokenizer)
         self._embed_lock = asyncio.Lock()
         self.created = int(time.time())
+        if self.template_warning():
+            log.warning("%s", self.template_warning())
+
+    def template_warning(self) -> str | None:
+        """What a chat request to a base model (no chat template of its own) is told, in the
+        ``X-Gemmalite-Warning`` header (and the log, at start-up); None for a chat model."""
+        if self.tokenizer.chat_template is not None:
+            return None
+        return (f"the model {self.model_id!r} has no chat template of its own (a base model?): the conversation "
+                "is rendered with the generic Gemma template and replies may be poor; /v1/completions continues "
+                "plain text")
 
     # -- request plumbing ---------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -382,7 +392,10 @@ class Server:
                                  "logprobs": fmt.chat(ev.logprobs) if fmt is not None else None,
                                  "finish_reason": ev.reason} for i, (events, ev) in enumerate(results)]}
 
-        return await self._run(request, seqs, gen, chunk, final)
+        response = await self._run(request, seqs, gen, chunk, final)
+        if self.template_warning():
+            response.headers[WARNING_HEADER] = self.template_warning()
+        return response
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -443,7 +456,7 @@ class Server:
         body = await self.read_json(request)
         require_model(body, self.embedder_id, "embedding")
         inputs, are_ids = embedding_inputs(body, self.limits)
-        dims = opt_int(body, "dimensions", 1)
+        dims = opt_int(body, "dimensions", 1, getattr(self.embedder, "dim", None))
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
@@ -515,7 +528,8 @@ class Server:
             "thinking": self.chat_format, "tools": self.chat_format,
             "limits": {"max_tokens": lim.max_tokens, "max_images": lim.max_images,
                        "max_image_bytes": lim.max_image_bytes, "max_inputs": lim.max_inputs,
-                       "max_body_bytes": lim.max_body_bytes},
+                       "max_body_bytes": lim.max_body_bytes, "max_audio": lim.max_audio,
+                       "max_audio_bytes": lim.max_audio_bytes, "max_audio_seconds": lim.max_audio_seconds},
         })
 
     async def health(self, request: Request) -> Response:
@@ -568,7 +582,7 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),
         srv.route("/health", srv.health, ["GET"], auth=False),
         srv.route("/metrics", srv.metrics_text, ["GET"]),
-    ] + (ui_routes() if ui else [])
+    ] + ollama_routes(srv) + (ui_routes() if ui else [])
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.server = srv
     return app
