@@ -111,6 +111,14 @@ def test_transcriptions_equal_model(live, refs):
     assert text == refs["transcribe_fr"]
 
 
+def test_capabilities_list_the_audio_limits(live):
+    status, _, caps = live.raw("GET", "/v1/capabilities")
+    assert status == 200 and caps["audio"] is True
+    lim = live.srv.limits
+    assert (caps["limits"]["max_audio"], caps["limits"]["max_audio_bytes"], caps["limits"]["max_audio_seconds"]) == \
+        (lim.max_audio, lim.max_audio_bytes, lim.max_audio_seconds) == (2, 64 << 10, 1.5)
+
+
 def test_embeddings_with_audio_parts(live, embedder):
     """The extension: an input that is a list of content parts is one input of those parts; the
     vectors are `Embedder.embed`'s of the same parts, usage counts the clips' soft tokens."""
