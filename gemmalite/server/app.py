@@ -35,11 +35,11 @@ from ..vision.prompt import message_images
 from . import chat_format
 from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
-from .ollama import WARNING_HEADER, ollama_routes
-from .protocol import (CHAT_ONLY, APIError, ClientGone, Generation, Limits, bad, chat_messages, clip_bytes, completion_prompt,
-                       embedding_inputs, generation, opt_int, reject_unsupported, require_model, transcription_messages,
-                       transcription_options)
+from .ollama import ollama_routes
+from .protocol import (CHAT_ONLY, WARNING_HEADER, APIError, ClientGone, Generation, Limits, bad, chat_messages, completion_prompt,
+                       embedding_inputs, generation, opt_int, reject_unsupported, require_model)
 from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
+from .transcription import audio_routes
 from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
@@ -427,30 +427,6 @@ class Server:
 
         return await self._run(request, seqs, gen, chunk, final)
 
-    async def transcriptions(self, request: Request) -> Response:
-        """OpenAI's ``/v1/audio/transcriptions`` (a multipart form), answered by the chat model
-        with a transcription instruction (`protocol.transcription_messages`)."""
-        form = await self.read_form(request)
-        require_model(form, self.model_id, "transcription")
-        opts = transcription_options(form)
-        clip = form.get("file")
-        if not isinstance(clip, bytes):
-            raise bad("'file' must be an uploaded audio file", "file")
-        clip = clip_bytes(clip, "file", self.limits)
-        gen = Generation(max_tokens=None, stream=False, include_usage=False, sampling={"temperature": opts.temperature})
-        seq = await self._chat_sequence(transcription_messages(clip, opts.language, opts.prompt), gen, param="file")
-
-        def final(results: list[tuple[list, Finish]]) -> dict | Response:
-            [(pieces, ev)] = results
-            text = "".join(p.text for p in pieces)
-            if opts.response_format == "text":
-                return PlainTextResponse(text)
-            return {"text": text, "usage": {"type": "tokens", "input_tokens": ev.prompt_tokens,
-                                            "output_tokens": ev.completion_tokens,
-                                            "total_tokens": ev.prompt_tokens + ev.completion_tokens}}
-
-        return await self._run(request, [seq], gen, dict, final)
-
     # -- embeddings, models, health, metrics ----------------------------------------------
     async def embeddings(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -576,7 +552,7 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.route("/v1/chat/completions", srv.chat_completions, ["POST"]),
         srv.route("/v1/completions", srv.completions, ["POST"]),
         srv.route("/v1/embeddings", srv.embeddings, ["POST"]),
-        srv.route("/v1/audio/transcriptions", srv.transcriptions, ["POST"]),
+        *audio_routes(srv),
         srv.route("/v1/models", srv.models, ["GET"]),
         srv.route("/v1/capabilities", srv.capabilities, ["GET"]),
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),

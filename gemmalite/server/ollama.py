@@ -28,12 +28,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..chat.parser import Content, Reasoning, ToolCallArgs, ToolCallEnd, ToolCallStart
-from .protocol import APIError, ClientGone, bad, chat_messages, generation, opt_bool
+from .protocol import WARNING_HEADER, APIError, ClientGone, bad, chat_messages, generation, opt_bool
 from .scheduler import Finish, Part, Piece, Sequence
 
 #: the ollama release whose API this one follows (clients gate features on /api/version)
 OLLAMA_VERSION = "0.12.0"
-WARNING_HEADER = "X-Gemmalite-Warning"
 KEEP_ALIVE_WARNING = "keep_alive has no effect: this server keeps its one model loaded"
 
 #: ollama option -> chat-completions field (checked by `protocol.generation`)
