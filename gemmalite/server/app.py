@@ -76,8 +76,9 @@ class Server:
         self.logprob_format = LogprobFormat(self.tokenizer)
         self._embed_lock = asyncio.Lock()
         self.created = int(time.time())
-        if self.template_warning():
-            log.warning("%s", self.template_warning())
+        warning = self.template_warning()
+        if warning:
+            log.warning("%s", warning)
 
     def template_warning(self) -> str | None:
         """What a chat request to a base model (no chat template of its own) is told, in the
@@ -393,8 +394,9 @@ class Server:
                                  "finish_reason": ev.reason} for i, (events, ev) in enumerate(results)]}
 
         response = await self._run(request, seqs, gen, chunk, final)
-        if self.template_warning():
-            response.headers[WARNING_HEADER] = self.template_warning()
+        warning = self.template_warning()
+        if warning:
+            response.headers[WARNING_HEADER] = warning
         return response
 
     async def completions(self, request: Request) -> Response:

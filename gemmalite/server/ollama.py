@@ -287,11 +287,10 @@ class Ollama:
             body = {**body, "model": body["name"]}
         name = body.get("model")
         embedder = srv.embedder_id is not None and name in (srv.embedder_id, f"{srv.embedder_id}:latest")
-        self._model(body, embedder)
+        name = self._model(body, embedder)
         obj = srv.embedder if embedder else srv.model
         card = self._card(name, obj, embedder)
         family = card["details"]["family"]
-        cfg = getattr(obj, "config", None)
         info: dict[str, Any] = {"general.architecture": family}
         if embedder:
             caps = ["embedding"]
@@ -300,6 +299,7 @@ class Ollama:
             caps = ["completion"] + (["vision"] if srv.model.vision is not None else []) + \
                 (["audio"] if getattr(srv.model, "audio", None) is not None else []) + \
                 (["tools", "thinking"] if srv.chat_format else [])
+            cfg = srv.model.config
             info.update({f"{family}.context_length": srv.context, f"{family}.embedding_length": cfg.hidden_size,
                          f"{family}.block_count": cfg.num_hidden_layers, f"{family}.vocab_size": cfg.vocab_size})
         d = getattr(obj, "defaults", None)
@@ -423,7 +423,8 @@ class Ollama:
                 try:
                     async for _, ev in events:
                         if not isinstance(ev, Finish):
-                            first or first.append(time.perf_counter())
+                            if not first:
+                                first.append(time.perf_counter())
                             p = reply.piece(ev)
                             if p is not None:
                                 yield json.dumps(chunk(p), ensure_ascii=False) + "\n"
@@ -450,7 +451,8 @@ class Ollama:
                     self.srv._check_finish(ev)
                     done = ev
                 else:
-                    first or first.append(time.perf_counter())
+                    if not first:
+                        first.append(time.perf_counter())
                     got.append(ev)
         except ClientGone:
             return Response(status_code=499)

@@ -217,7 +217,9 @@ async def transcribe(srv: Any, request: Request, translate: bool) -> Response:
     if opts.stream:
         return StreamingResponse(_stream(srv, events, len(seqs)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    texts, lps, done = [""] * len(seqs), [[] for _ in seqs], [None] * len(seqs)
+    texts: list[str] = [""] * len(seqs)
+    lps: list[list] = [[] for _ in seqs]
+    done: list[Finish | None] = [None] * len(seqs)
     try:
         async for i, ev in events:
             if isinstance(ev, Piece):
