@@ -64,7 +64,6 @@ class Transcription:
     response_format: str  # one of FORMATS
     temperature: float
     stream: bool = False
-    translate: bool = False
 
 
 def transcription_options(form: dict[str, Any], translate: bool = False) -> Transcription:
@@ -102,7 +101,7 @@ def transcription_options(form: dict[str, Any], translate: bool = False) -> Tran
         raise bad(f"'stream' must be 'true' or 'false', got {stream!r}", "stream")
     if stream == "true" and fmt not in ("json", "text"):
         raise bad(f"'stream' takes response_format 'json' or 'text', got {fmt!r}", "stream")
-    return Transcription(lang.lower() if lang else None, prompt, fmt, temperature, stream == "true", translate)
+    return Transcription(lang.lower() if lang else None, prompt, fmt, temperature, stream == "true")
 
 
 RULES = ("Follow these specific instructions for formatting the answer:\n"
