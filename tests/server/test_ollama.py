@@ -195,6 +195,19 @@ def test_tool_calls_and_thinking(live_scripted, scripted):
     assert r.message.content == "It is 18 degrees." and not r.message.tool_calls
 
 
+def test_generate_thinking(live_scripted, scripted):
+    """/api/generate renders the prompt as a user turn; the thought comes apart as ``thinking``."""
+    script(scripted, ASK, THOUGHT + "Sunny.", thinking=True)
+    c = client(live_scripted)
+    r = c.generate(MODEL_ID, ASK[0]["content"], think=True)
+    assert (r.thinking, r.response, r.done_reason) == ("The weather tool.", "Sunny.", "stop")
+    text, thinking, _, last = joined(c.generate(MODEL_ID, ASK[0]["content"], think=True, stream=True), "response")
+    assert (thinking, text) == (r.thinking, r.response) and last.done
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate(MODEL_ID, "x", think=True, raw=True)
+    assert e.value.status_code == 400 and "think" in e.value.error
+
+
 def test_embed_equals_embedder(live, embedder):
     c = client(live)
     texts = ["a cat", "a dog sleeps on the mat"]
