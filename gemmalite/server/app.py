@@ -147,17 +147,18 @@ class Server:
         return data
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
-              auth: bool = True) -> Route:
-        """A route whose errors all answer in the OpenAI shape and which counts its answers."""
+              auth: bool = True, error: Callable[[APIError], Response] = _error_response) -> Route:
+        """A route whose errors all answer in one shape (``error``: OpenAI's by default) and which
+        counts its answers."""
         async def endpoint(request: Request) -> Response:
             try:
                 if auth:
                     self.check_key(request)
                 response = await handler(request)
             except APIError as e:
-                response = _error_response(e)
+                response = error(e)
             except Exception as e:  # a bug must answer 500 and leave the server serving
-                response = _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+                response = error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             self.metrics.inc("gemmalite_requests_total", labels={"endpoint": path, "status": str(response.status_code)})
             return response
 

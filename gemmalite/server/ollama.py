@@ -223,21 +223,8 @@ class Ollama:
         self.srv = srv
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str]) -> Route:
-        """A route whose errors answer as ollama's do (``{"error": message}``) and which counts its answers."""
-        srv = self.srv
-
-        async def endpoint(request: Request) -> Response:
-            try:
-                srv.check_key(request)
-                response = await handler(request)
-            except APIError as e:
-                response = JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
-            except Exception as e:  # a bug must answer 500 and leave the server serving
-                response = JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
-            srv.metrics.inc("gemmalite_requests_total", labels={"endpoint": path, "status": str(response.status_code)})
-            return response
-
-        return Route(path, endpoint, methods=methods)
+        """A route of the server's whose errors answer as ollama's do (``{"error": message}``)."""
+        return self.srv.route(path, handler, methods, error=_error)
 
     # -- models ----------------------------------------------------------------------------
     def _model(self, body: dict, embedder: bool = False) -> str:
@@ -256,14 +243,15 @@ class Ollama:
     def _card(self, name: str, obj: Any, embedder: bool) -> dict:
         """ollama's model entry: name, size and digest of its weight files, details."""
         src = Path(str(getattr(obj, "source", "") or ""))
-        files = sorted(src.glob("*.safetensors")) if src.is_dir() else []
+        files = sorted(src.glob("*.safetensors")) if src.is_dir() else [src] if src.is_file() else []
         size = sum(f.stat().st_size for f in files)
         digest = hashlib.sha256(json.dumps([[f.name, f.stat().st_size] for f in files] + [name]).encode()).hexdigest()
         cfg = getattr(obj, "config", None)
         family = getattr(cfg, "family", None) or ("embeddinggemma" if embedder else "gemma")
+        fmt = "gguf" if src.suffix == ".gguf" else "safetensors"
         return {"name": name, "model": name, "modified_at": datetime.fromtimestamp(self.srv.created, timezone.utc)
                 .isoformat(), "size": size, "digest": digest,
-                "details": {"parent_model": "", "format": "safetensors", "family": family, "families": [family]}}
+                "details": {"parent_model": "", "format": fmt, "family": family, "families": [family]}}
 
     async def tags(self, request: Request) -> Response:
         return JSONResponse({"models": [self._card(*e) for e in self._entries()]})
@@ -509,6 +497,10 @@ class Ollama:
             raise bad("'prompt' must be a non-empty string", "prompt")
         vecs, _ = await self._embed(body, [body["prompt"]], False)
         return JSONResponse({"embedding": vecs[0].tolist()}, headers=_headers(warnings))
+
+
+def _error(e: APIError) -> Response:
+    return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
 
 
 def _headers(warnings: list[str]) -> dict[str, str]:
