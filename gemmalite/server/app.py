@@ -36,8 +36,8 @@ from . import chat_format
 from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
 from .ollama import ollama_routes
-from .protocol import (CHAT_ONLY, WARNING_HEADER, APIError, ClientGone, Generation, Limits, bad, chat_messages, completion_prompt,
-                       embedding_inputs, generation, opt_int, reject_unsupported, require_model)
+from .protocol import (CHAT_ONLY, WARNING_HEADER, APIError, ClientGone, Generation, Limits, bad, chat_messages,
+                       completion_prompt, embedding_inputs, generation, opt_int, reject_unsupported, require_model)
 from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
 from .transcription import audio_routes
 from .ui import ui_routes
