@@ -11,10 +11,26 @@ from . import embed, generate, hub, serve, tools
 GROUPS = (generate, tools, embed, serve, hub)  # run, chat | inspect, synth, convert, bench | embed | serve | pull, ls, rm
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A subcommand's parser that takes options before, between or after its positional
+    arguments (``gemmalite embed MODEL --threads 1 "text"``: argparse's `parse_intermixed_args`)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._intermixing:  # (parse_known_intermixed_args calls back here: the plain parse)
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return super().parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemmalite", description="Gemma 4 / Gemma 3 text generation on the CPU.")
     ap.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=IntermixedParser)
     for group in GROUPS:
         group.add_parsers(sub)
     for p in sub.choices.values():  # `gemmalite run ... --debug` as well as `gemmalite --debug run ...`

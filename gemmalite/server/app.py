@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -34,14 +35,16 @@ from ..vision.prompt import message_images
 from . import chat_format
 from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
-from .protocol import (CHAT_ONLY, APIError, ClientGone, Generation, Limits, bad, chat_messages, clip_bytes,
-                       completion_prompt, embedding_inputs, generation, opt_int, reject_unsupported, require_model,
-                       transcription_messages, transcription_options)
+from .ollama import ollama_routes
+from .protocol import (CHAT_ONLY, WARNING_HEADER, APIError, ClientGone, Generation, Limits, bad, chat_messages,
+                       completion_prompt, embedding_inputs, generation, opt_int, reject_unsupported, require_model)
 from .responses import Responses
 from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
+from .transcription import audio_routes
 from .ui import ui_routes
 
 RETRY_AFTER_S = "1"
+log = logging.getLogger(__name__)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -74,6 +77,18 @@ class Server:
         self.logprob_format = LogprobFormat(self.tokenizer)
         self._embed_lock = asyncio.Lock()
         self.created = int(time.time())
+        warning = self.template_warning()
+        if warning:
+            log.warning("%s", warning)
+
+    def template_warning(self) -> str | None:
+        """What a chat request to a base model (no chat template of its own) is told, in the
+        ``X-Gemmalite-Warning`` header (and the log, at start-up); None for a chat model."""
+        if self.tokenizer.chat_template is not None:
+            return None
+        return (f"the model {self.model_id!r} has no chat template of its own (a base model?): the conversation "
+                "is rendered with the generic Gemma template and replies may be poor; /v1/completions continues "
+                "plain text")
 
     # -- request plumbing ---------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -133,17 +148,18 @@ class Server:
         return data
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
-              auth: bool = True) -> Route:
-        """A route whose errors all answer in the OpenAI shape and which counts its answers."""
+              auth: bool = True, error: Callable[[APIError], Response] = _error_response) -> Route:
+        """A route whose errors all answer in one shape (``error``: OpenAI's by default) and which
+        counts its answers."""
         async def endpoint(request: Request) -> Response:
             try:
                 if auth:
                     self.check_key(request)
                 response = await handler(request)
             except APIError as e:
-                response = _error_response(e)
+                response = error(e)
             except Exception as e:  # a bug must answer 500 and leave the server serving
-                response = _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+                response = error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             self.metrics.inc("gemmalite_requests_total", labels={"endpoint": path, "status": str(response.status_code)})
             return response
 
@@ -379,7 +395,11 @@ class Server:
                                  "logprobs": fmt.chat(ev.logprobs) if fmt is not None else None,
                                  "finish_reason": ev.reason} for i, (events, ev) in enumerate(results)]}
 
-        return await self._run(request, seqs, gen, chunk, final)
+        response = await self._run(request, seqs, gen, chunk, final)
+        warning = self.template_warning()
+        if warning:
+            response.headers[WARNING_HEADER] = warning
+        return response
 
     async def completions(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -411,36 +431,12 @@ class Server:
 
         return await self._run(request, seqs, gen, chunk, final)
 
-    async def transcriptions(self, request: Request) -> Response:
-        """OpenAI's ``/v1/audio/transcriptions`` (a multipart form), answered by the chat model
-        with a transcription instruction (`protocol.transcription_messages`)."""
-        form = await self.read_form(request)
-        require_model(form, self.model_id, "transcription")
-        opts = transcription_options(form)
-        clip = form.get("file")
-        if not isinstance(clip, bytes):
-            raise bad("'file' must be an uploaded audio file", "file")
-        clip = clip_bytes(clip, "file", self.limits)
-        gen = Generation(max_tokens=None, stream=False, include_usage=False, sampling={"temperature": opts.temperature})
-        seq = await self._chat_sequence(transcription_messages(clip, opts.language, opts.prompt), gen, param="file")
-
-        def final(results: list[tuple[list, Finish]]) -> dict | Response:
-            [(pieces, ev)] = results
-            text = "".join(p.text for p in pieces)
-            if opts.response_format == "text":
-                return PlainTextResponse(text)
-            return {"text": text, "usage": {"type": "tokens", "input_tokens": ev.prompt_tokens,
-                                            "output_tokens": ev.completion_tokens,
-                                            "total_tokens": ev.prompt_tokens + ev.completion_tokens}}
-
-        return await self._run(request, [seq], gen, dict, final)
-
     # -- embeddings, models, health, metrics ----------------------------------------------
     async def embeddings(self, request: Request) -> Response:
         body = await self.read_json(request)
         require_model(body, self.embedder_id, "embedding")
         inputs, are_ids = embedding_inputs(body, self.limits)
-        dims = opt_int(body, "dimensions", 1)
+        dims = opt_int(body, "dimensions", 1, getattr(self.embedder, "dim", None))
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
@@ -512,7 +508,8 @@ class Server:
             "thinking": self.chat_format, "tools": self.chat_format,
             "limits": {"max_tokens": lim.max_tokens, "max_images": lim.max_images,
                        "max_image_bytes": lim.max_image_bytes, "max_inputs": lim.max_inputs,
-                       "max_body_bytes": lim.max_body_bytes},
+                       "max_body_bytes": lim.max_body_bytes, "max_audio": lim.max_audio,
+                       "max_audio_bytes": lim.max_audio_bytes, "max_audio_seconds": lim.max_audio_seconds},
         })
 
     async def health(self, request: Request) -> Response:
@@ -563,13 +560,13 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.route("/v1/responses/{id}", responses.delete, ["DELETE"]),
         srv.route("/v1/completions", srv.completions, ["POST"]),
         srv.route("/v1/embeddings", srv.embeddings, ["POST"]),
-        srv.route("/v1/audio/transcriptions", srv.transcriptions, ["POST"]),
+        *audio_routes(srv),
         srv.route("/v1/models", srv.models, ["GET"]),
         srv.route("/v1/capabilities", srv.capabilities, ["GET"]),
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),
         srv.route("/health", srv.health, ["GET"], auth=False),
         srv.route("/metrics", srv.metrics_text, ["GET"]),
-    ] + (ui_routes() if ui else [])
+    ] + ollama_routes(srv) + (ui_routes() if ui else [])
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.server = srv
     return app

@@ -14,6 +14,9 @@ from typing import Any
 from ..runtime.generate import prompt_lookup_drafts
 
 
+WARNING_HEADER = "X-Gemmalite-Warning"  # what a request is told beside its answer (an option with no effect...)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None):
@@ -312,75 +315,6 @@ def clip_bytes(payload: str | bytes, where: str, limits: Limits) -> bytes:
         raise bad(f"{where}: not an audio file this server decodes (WAV, FLAC, OGG or MP3, sniffed from its first bytes)",
                   where, "invalid_audio")
     return payload
-
-
-# -- audio transcriptions ---------------------------------------------------------------------
-@dataclass
-class Transcription:
-    """The checked fields of a ``/v1/audio/transcriptions`` form (besides ``file`` and ``model``)."""
-
-    language: str | None
-    prompt: str | None
-    response_format: str  # "json" or "text"
-    temperature: float
-
-
-TRANSCRIPTION_FIELDS = ("file", "model", "prompt", "language", "response_format", "temperature")
-LANGUAGES = {"en": "English", "fr": "French", "de": "German", "es": "Spanish", "it": "Italian", "pt": "Portuguese",
-             "nl": "Dutch", "ru": "Russian", "pl": "Polish", "tr": "Turkish", "ar": "Arabic", "hi": "Hindi",
-             "ja": "Japanese", "ko": "Korean", "zh": "Chinese", "sv": "Swedish", "uk": "Ukrainian", "id": "Indonesian",
-             "vi": "Vietnamese", "th": "Thai"}
-MAX_TRANSCRIPTION_PROMPT = 2000
-
-
-def transcription_options(form: dict[str, Any]) -> Transcription:
-    unknown = sorted(k for k in form if k not in TRANSCRIPTION_FIELDS)
-    if unknown:
-        raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0], "unsupported_parameter")
-    for key in TRANSCRIPTION_FIELDS[1:]:
-        if key in form and not isinstance(form[key], str):
-            raise bad(f"'{key}' must be a form field, not a file", key)
-    fmt = form.get("response_format") or "json"
-    if fmt not in ("json", "text"):
-        raise bad(f"'response_format' must be 'json' or 'text' on this server, got {fmt!r}", "response_format",
-                  "unsupported_parameter")
-    lang = form.get("language") or None
-    if lang is not None and not (2 <= len(lang) <= 3 and lang.isascii() and lang.isalpha()):
-        raise bad(f"'language' must be an ISO-639-1 code such as 'en', got {lang!r}", "language")
-    prompt = form.get("prompt") or None
-    if prompt is not None and len(prompt) > MAX_TRANSCRIPTION_PROMPT:
-        raise bad(f"'prompt' takes at most {MAX_TRANSCRIPTION_PROMPT} characters", "prompt")
-    try:
-        temperature = float(form.get("temperature") or 0.0)
-    except ValueError:
-        temperature = math.nan
-    if not 0.0 <= temperature <= 1.0:
-        raise bad(f"'temperature' must be a number in [0, 1], got {form.get('temperature')!r}", "temperature")
-    return Transcription(lang.lower() if lang else None, prompt, fmt, temperature)
-
-
-def transcription_messages(clip: bytes, language: str | None = None, prompt: str | None = None) -> list[dict[str, Any]]:
-    """The chat turn a transcription request is answered with: the clip, then Google's
-    speech-recognition instruction for Gemma 4.
-
-    Wording and order from the Gemma 4 model card (huggingface.co/google/gemma-4-E2B-it):
-    with a language, its "Best Practices / Audio" ASR prompt ("Transcribe the following speech
-    segment in {LANGUAGE} into {LANGUAGE} text." then a blank line and the two formatting rules);
-    without one, the instruction of its "Code for processing Audio" example ("... in its original
-    language." and the same rules, joined by a space, not a blank line); the audio before the text, as
-    that example places it ("Prompt - add audio before text") and as its "Modality order" practice
-    says. The line for OpenAI's ``prompt`` field is this server's own (Google documents no wording
-    for a transcription hint)."""
-    name = LANGUAGES.get(language, language) if language else None
-    rules = ("Follow these specific instructions for formatting the answer:\n"
-             "* Only output the transcription, with no newlines.\n"
-             "* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, "
-             "and write 3 instead of three.")
-    text = (f"Transcribe the following speech segment in {name} into {name} text.\n\n" + rules if name else
-            "Transcribe the following speech segment in its original language. " + rules)
-    if prompt:
-        text += f"\n* The speech may continue this text or use its words: {prompt}"
-    return [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": text}]}]
 
 
 def completion_prompt(body: dict, vocab: int) -> str | list[int]:

@@ -198,7 +198,28 @@ def test_embeddings_equal_embedder(live, embedder):
     np.testing.assert_array_equal(np.array([d.embedding for d in r.data], np.float32), embedder.embed_ids(ids))
     assert r.usage.prompt_tokens == 8
     status, _, body = live.raw("POST", "/v1/embeddings", {"model": EMB_ID, "input": "x", "dimensions": 10**6})
-    assert status == 400 and "dimensions" in body["error"]["message"], body
+    assert status == 400 and "dimensions" in body["error"]["message"] and body["error"]["param"] == "dimensions", body
+
+
+def test_base_model_chat_says_so(live, monkeypatch, caplog):
+    """A chat request to a model without a chat template of its own is answered (with the generic
+    template) and says so in X-Gemmalite-Warning; the server logs it at start-up."""
+    import logging
+
+    from gemmalite.server import build_app
+
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    r = live.client().chat.completions.with_raw_response.create(model=MODEL_ID, messages=msgs, max_tokens=2)
+    assert "x-gemmalite-warning" not in r.headers
+    monkeypatch.setattr(live.srv.tokenizer, "chat_template", None)
+    r = live.client().chat.completions.with_raw_response.create(model=MODEL_ID, messages=msgs, max_tokens=2)
+    assert "no chat template" in r.headers["x-gemmalite-warning"] and r.parse().choices[0].message.content is not None
+    status, headers, _ = live.raw("POST", "/api/chat", {"model": MODEL_ID, "messages": msgs, "stream": False,
+                                                        "options": {"num_predict": 2}})
+    assert status == 200 and "no chat template" in headers["x-gemmalite-warning"]
+    with caplog.at_level(logging.WARNING, logger="gemmalite.server.app"):
+        build_app(live.srv.model, model_id="base-model")
+    assert "'base-model' has no chat template" in caplog.text
 
 
 BAD = [  # (path, body, status)

@@ -28,7 +28,13 @@ RULES = ("Follow these specific instructions for formatting the answer:\n* Only 
          "newlines.\n* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, and "
          "write 3 instead of three.")
 INSTRUCTIONS = {None: "Transcribe the following speech segment in its original language. " + RULES,
-                "French": "Transcribe the following speech segment in French into French text.\n\n" + RULES}
+                "French": "Transcribe the following speech segment in French into French text.\n\n" + RULES,
+                # the model card's AST prompt, into English, the source language unnamed
+                "translate": "Transcribe the following speech segment in its original language, then translate it "
+                             "into English.\nWhen formatting the answer, first output the transcription in its "
+                             "original language, then one newline, then output the string 'English: ', then the "
+                             "translation in English."}
+WINDOW = 0.6  # seconds per segment in the windowed tests (the server's is 30 s): clip "a" (1.1 s) gives two
 
 
 def _api_messages(clip: str, text: str = QUESTION, fmt: str = "wav") -> list[dict]:
@@ -41,8 +47,9 @@ def _model_messages(clip: str, text: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [{"type": "audio", "audio": CLIPS[clip]}, {"type": "text", "text": text}]}]
 
 
-def _transcribe_messages(clip: str, language: str | None) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "audio", "audio": CLIPS[clip]},
+def _transcribe_messages(clip, language: str | None) -> list[dict]:
+    audio = CLIPS[clip] if isinstance(clip, str) else clip
+    return [{"role": "user", "content": [{"type": "audio", "audio": audio},
                                          {"type": "text", "text": INSTRUCTIONS[language]}]}]
 
 
@@ -59,15 +66,24 @@ def refs(model):
 
     def transcribe(clip, language):  # a transcription runs to the server's max_tokens (or the context's end)
         messages = _transcribe_messages(clip, language)
-        ids = model.with_media(model.tokenizer.chat_ids(messages, add_generation_prompt=True), audio=[CLIPS[clip]])[0]
+        audio = messages[0]["content"][0]["audio"]
+        ids = model.with_media(model.tokenizer.chat_ids(messages, add_generation_prompt=True), audio=[audio])[0]
         return chat(messages, min(MAX_TOKENS, model.context - len(ids)))
+
+    from gemmalite.audio.decode import load_audio
+
+    a = load_audio(CLIPS["a"])  # the decoded clip, cut as the windowed tests' server cuts it
+    cut = int(WINDOW * 16000)
 
     return {"a": chat(_model_messages("a")), "b": chat(_model_messages("b")),
             "two": chat([{"role": "user", "content": [{"type": "audio", "audio": CLIPS["b"]},
                                                       {"type": "text", "text": "and"},
                                                       {"type": "audio", "audio": CLIPS["a"]}]}]),
             "transcribe_any": transcribe("a", None),
-            "transcribe_fr": transcribe("b", "French")}
+            "transcribe_fr": transcribe("b", "French"),
+            "translate": transcribe("a", "translate"),
+            "windows": [transcribe(a[:cut], None), transcribe(a[cut:], None)],
+            "windows_translated": [transcribe(a[:cut], "translate"), transcribe(a[cut:], "translate")]}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +125,79 @@ def test_transcriptions_equal_model(live, refs):
     text = c.audio.transcriptions.create(model=MODEL_ID, file=("b.wav", CLIPS["b"]), language="fr",
                                          response_format="text")
     assert text == refs["transcribe_fr"]
+
+
+def test_capabilities_list_the_audio_limits(live):
+    status, _, caps = live.raw("GET", "/v1/capabilities")
+    assert status == 200 and caps["audio"] is True
+    lim = live.srv.limits
+    assert (caps["limits"]["max_audio"], caps["limits"]["max_audio_bytes"], caps["limits"]["max_audio_seconds"]) == \
+        (lim.max_audio, lim.max_audio_bytes, lim.max_audio_seconds) == (2, 64 << 10, 1.5)
+
+
+def test_transcription_formats(live, refs, model):
+    """verbose_json (one segment per 30 s window: the whole 1.1 s clip), srt and vtt of the same
+    reply; the segment's tokens decode to its text."""
+    c = live.client()
+    text = refs["transcribe_any"]
+    file = ("a.wav", CLIPS["a"], "audio/wav")
+    r = c.audio.transcriptions.create(model=MODEL_ID, file=file, response_format="verbose_json",
+                                      timestamp_granularities=["segment"])
+    assert r.text == text and r.duration == 1.1 and r.language is None
+    [seg] = r.segments
+    assert (seg.id, seg.start, seg.end, seg.text, seg.seek) == (0, 0.0, 1.1, text, 0)
+    assert model.tokenizer.decode(seg.tokens) == text and seg.avg_logprob <= 0
+    r = c.audio.transcriptions.create(model=MODEL_ID, file=("b.wav", CLIPS["b"]), language="fr",
+                                      response_format="verbose_json")
+    assert r.text == refs["transcribe_fr"] and r.language == "french" and r.segments[0].end == 0.6
+    srt = c.audio.transcriptions.create(model=MODEL_ID, file=file, response_format="srt")
+    assert srt == f"1\n00:00:00,000 --> 00:00:01,100\n{text.strip()}\n\n"
+    vtt = c.audio.transcriptions.create(model=MODEL_ID, file=file, response_format="vtt")
+    assert vtt == f"WEBVTT\n\n00:00:00.000 --> 00:00:01.100\n{text.strip()}\n\n"
+
+
+def test_windows_are_segments_and_stream_in_order(live, refs, monkeypatch):
+    """A clip longer than the window is transcribed window by window (batched): one segment each,
+    the text their replies joined by a space; the stream's deltas join to the same text."""
+    from gemmalite.server import transcription
+
+    monkeypatch.setattr(transcription, "WINDOW_S", WINDOW)
+    c = live.client()
+    file = ("a.wav", CLIPS["a"], "audio/wav")
+    want = refs["windows"]
+    r = c.audio.transcriptions.create(model=MODEL_ID, file=file, response_format="verbose_json")
+    assert [(s.start, s.end, s.text) for s in r.segments] == [(0.0, 0.6, want[0]), (0.6, 1.1, want[1])]
+    assert r.text == " ".join(want)
+    deltas, done = [], None
+    for ev in c.audio.transcriptions.create(model=MODEL_ID, file=file, stream=True):
+        if ev.type == "transcript.text.delta":
+            deltas.append(ev.delta)
+        else:
+            assert ev.type == "transcript.text.done" and done is None
+            done = ev
+    assert "".join(deltas) == done.text == " ".join(want)
+    assert done.usage.output_tokens > 0
+    r = c.audio.translations.create(model=MODEL_ID, file=file, response_format="verbose_json")
+    assert [s.text for s in r.segments] == refs["windows_translated"] and r.language == "english"
+
+
+def test_translations_equal_model(live, refs):
+    """The model card's AST prompt; the translation is what follows the reply's 'English: ' line, or
+    (random weights write none) the whole reply, with a warning saying so."""
+    from gemmalite.server.transcription import translation_text
+
+    c = live.client()
+    raw = c.audio.translations.with_raw_response.create(model=MODEL_ID, file=("a.wav", CLIPS["a"]))
+    assert raw.parse().text == refs["translate"]
+    assert "no 'English: ' line" in raw.headers["x-gemmalite-warning"]
+    assert c.audio.translations.create(model=MODEL_ID, file=("a.wav", CLIPS["a"]), response_format="text") \
+        == refs["translate"]
+    assert translation_text("Bonjour le monde.\nEnglish: Hello world.") == "Hello world."
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        c.audio.translations.create(model=MODEL_ID, file=("a.wav", CLIPS["a"]), extra_body={"language": "fr"})
+    assert e.value.body["param"] == "language"
 
 
 def test_embeddings_with_audio_parts(live, embedder):
@@ -162,7 +251,9 @@ def test_bad_audio_answers_400_and_server_keeps_serving(live, refs):
     from openai import BadRequestError
 
     for kw, param in [(dict(file=("x.wav", b"not audio")), "file"),
-                      (dict(file=("x.wav", wav), response_format="srt"), "response_format"),
+                      (dict(file=("x.wav", wav), response_format="xml"), "response_format"),
+                      (dict(file=("x.wav", wav), response_format="srt", stream=True), "stream"),
+                      (dict(file=("x.wav", wav), timestamp_granularities=["segment"]), "timestamp_granularities[]"),
                       (dict(file=("x.wav", wav), language="english!"), "language"),
                       (dict(file=("x.wav", wav), timestamp_granularities=["word"]), "timestamp_granularities[]")]:
         with pytest.raises(BadRequestError) as e:

@@ -107,6 +107,18 @@ def test_chat_with_pictures_equals_model(live, refs):
     assert r.choices[0].message.content == refs["two"]
 
 
+def test_ollama_images_equal_model(live, refs):
+    """ollama's ``images`` (base64, the client encodes the bytes) go before the message's text:
+    the reply is the same as the image_url part's."""
+    ollama = pytest.importorskip("ollama")
+    c = ollama.Client(host=f"http://127.0.0.1:{live.port}", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    opts = {"temperature": 0, "num_predict": 8}
+    r = c.chat(MODEL_ID, messages=[{"role": "user", "content": QUESTION, "images": [PICS["a"]]}], options=opts)
+    assert (r.message.content, r.prompt_eval_count) == refs["a"]
+    r = c.generate(MODEL_ID, QUESTION, images=[PICS["b"]], options=opts)
+    assert (r.response, r.prompt_eval_count) == refs["b"]
+
+
 def test_concurrent_pictures_no_crosstalk(live, refs):
     c = live.client()
 
