@@ -101,7 +101,8 @@ class Server:
         self.draining = False
 
     def drain(self, grace: float) -> None:
-        """Begin a graceful shutdown: admit nothing new (new requests answer 503 with Retry-After),
+        """Begin a graceful shutdown: admit nothing new (new work answers 503 with Retry-After at
+        `relay` / `until_gone`; /health answers 503),
         let what runs finish for ``grace`` seconds, then cancel it (each gets a clean end: a 503,
         or an error event on a stream). From any thread (a signal handler starts one to call it)."""
         self.draining = True
@@ -160,13 +161,10 @@ class Server:
         return parse_json(body, self.limits)
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
-              auth: bool = True, drains: bool = True) -> Route:
-        """A route whose errors all answer in the OpenAI shape and which counts its answers; while the
-        server drains (`drain`), a ``drains`` route answers 503 with Retry-After."""
+              auth: bool = True) -> Route:
+        """A route whose errors all answer in the OpenAI shape and which counts its answers."""
         async def endpoint(request: Request) -> Response:
             try:
-                if drains and self.draining:
-                    raise shutting_down()
                 if auth:
                     self.check_key(request)
                 response = await handler(request)
@@ -278,7 +276,12 @@ class Server:
     async def until_gone(self, request: Request, work: Awaitable[Any]) -> Any:
         """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (work
         still waiting never starts; a worker thread already running finishes, its result unread)
-        and `ClientGone` is raised. For work that does not go through `relay` (embeddings)."""
+        and `ClientGone` is raised. For work that does not go through `relay` (embeddings); a
+        draining server refuses it (503), as `relay` does."""
+        if self.draining:
+            if asyncio.iscoroutine(work):
+                work.close()  # (never started)
+            raise shutting_down()
         task, gone = asyncio.ensure_future(work), asyncio.Event()
         watcher, waiter = watch_disconnect(request, gone.set), asyncio.ensure_future(gone.wait())
         try:
@@ -629,8 +632,8 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.route("/v1/models", srv.models, ["GET"]),
         srv.route("/v1/capabilities", srv.capabilities, ["GET"]),
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),
-        srv.route("/health", srv.health, ["GET"], auth=False, drains=False),
-        srv.route("/metrics", srv.metrics_text, ["GET"], drains=False),
+        srv.route("/health", srv.health, ["GET"], auth=False),
+        srv.route("/metrics", srv.metrics_text, ["GET"]),
     ] + (ui_routes() if ui else [])
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.server = srv
