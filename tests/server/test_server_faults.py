@@ -274,12 +274,13 @@ def test_soak_mixed_malformed_and_abandoned_requests(live, model):
 
 
 # -- draining ---------------------------------------------------------------------------------------
-def test_drain_refuses_new_work_and_ends_what_runs(model):
-    """`Server.drain` (what SIGTERM calls): a new generation 503 with Retry-After, /health 503; a running
+def test_drain_refuses_new_work_and_ends_what_runs(model, embedder):
+    """`Server.drain` (what SIGTERM calls): a new generation or embedding 503 with Retry-After,
+    /health 503; a running
     non-streamed request gets a 503 and a running stream an error event once the grace is over."""
     from gemmalite.server import build_app
 
-    s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY, max_concurrency=2))
+    s = LiveServer(build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY, max_concurrency=2))
     gate = s.srv.scheduler.engine = Throttle(s.srv.scheduler.engine)
     try:
         gate.go.clear()
@@ -303,6 +304,8 @@ def test_drain_refuses_new_work_and_ends_what_runs(model):
         until(lambda: len(sch.active) + sch.queue_depth == 2, "both are in (running, or queued behind the step)")
         s.srv.drain(0.0)
         status, headers, body = s.raw("POST", "/v1/completions", {**LONG, "max_tokens": 2})
+        assert status == 503 and headers.get("retry-after") and body["error"]["code"] == "shutting_down"
+        status, headers, body = s.raw("POST", "/v1/embeddings", {"model": EMB_ID, "input": "x"})
         assert status == 503 and headers.get("retry-after") and body["error"]["code"] == "shutting_down"
         assert s.raw("GET", "/health", key=None)[0] == 503
         gate.go.set()
