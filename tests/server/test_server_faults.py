@@ -276,8 +276,8 @@ def test_soak_mixed_malformed_and_abandoned_requests(live, model):
 # -- draining ---------------------------------------------------------------------------------------
 def test_drain_refuses_new_work_and_ends_what_runs(model, embedder):
     """`Server.drain` (what SIGTERM calls): a new generation or embedding 503 with Retry-After,
-    /health 503; a running
-    non-streamed request gets a 503 and a running stream an error event once the grace is over."""
+    /health 503; a running non-streamed request gets a 503 and a running stream an error event
+    once the grace is over."""
     from gemmalite.server import build_app
 
     s = LiveServer(build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY, max_concurrency=2))
