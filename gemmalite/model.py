@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .chat import history
+from .chat import content, history
 from .chat.parser import ChatReply, OutputParser, reply_events
 from .chat.tool_grammar import response_format_grammar, tool_grammar
 from .audio.prompt import TOKENS_PER_SECOND, Audio, message_audio
@@ -310,7 +310,9 @@ class ChatSession:
         with ``tools``, ``tool_choice``, ``thinking`` or ``structured=True``, a `ChatReply` (content,
         reasoning, tool calls, finish reason, logprobs), or a `Stream` of `chat.parser` events.
         Images come as content parts ``{"type": "image", "image": path | bytes | PIL image | array}``,
-        audio clips as ``{"type": "audio", "audio": path | bytes | file | array | (array, sample_rate)}``;
+        audio clips as ``{"type": "audio", "audio": path | bytes | file | array | (array, sample_rate)}``,
+        or in OpenAI's shapes (``image_url`` with a data URL, ``input_audio``: `chat.content`); a part
+        of any other type is an `InputError` naming it;
         messages may carry OpenAI's ``tool_calls`` (arguments as JSON text), ``role: "tool"``
         results and ``reasoning_content``. ``tools``: OpenAI's function declarations;
         ``tool_choice``: "auto" (the default with tools: text, then calls if the model makes any),
@@ -322,7 +324,7 @@ class ChatSession:
         `Model.generate_tokens` (a constraint of its own does not go with tools); ``response_format``:
         OpenAI's (``json_object`` / ``json_schema``), beside tools with "auto" (that JSON or calls)."""
         m = self.model
-        inputs.messages(messages)
+        messages = content.messages_content(inputs.messages(messages))  # OpenAI's parts too; none dropped
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
                                             repetition_penalty, seed)
         drafts = prompt_lookup_drafts(prompt_lookup)

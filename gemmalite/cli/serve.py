@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import threading
 from pathlib import Path
 
 from .generate import load_args, load_model
+
+SHUTDOWN_GRACE_S = 5.0
 
 
 def add_parsers(sub) -> None:
@@ -17,9 +20,14 @@ def add_parsers(sub) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--max-concurrency", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 503)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 429)")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the Hub id, or the folder name)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on max_tokens per request")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="reply cap of a request that sets no max_tokens (default 2048; 0: up to the context)")
+    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl-C, how long running requests may finish before they are cancelled "
+                        f"(default {SHUTDOWN_GRACE_S:g})")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished KV states kept for prefix reuse")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="prompt-lookup decoding for requests that do not set 'prompt_lookup' themselves: same "
@@ -57,15 +65,31 @@ def _server_imports():
 
 def cmd_serve(a: argparse.Namespace) -> int:
     uvicorn, build_app, Limits = _server_imports()
+    if a.shutdown_grace < 0 or (a.default_max_tokens or 0) < 0 or (a.max_tokens is not None and a.max_tokens < 1):
+        raise ValueError("--shutdown-grace and --default-max-tokens must be >= 0, --max-tokens >= 1")
+    limits = Limits(max_tokens=a.max_tokens)
+    if a.default_max_tokens is not None:
+        limits.default_max_tokens = a.default_max_tokens or None  # (0: up to the context)
     model = load_model(a)
     embedder = load_embedder(a.embedder) if a.embedder else None
     app = build_app(model, embedder, model_id=a.model_name or _name(a.model),
                     embedder_id=_name(a.embedder) if a.embedder else None, api_key=a.api_key,
                     max_concurrency=a.max_concurrency, max_queue=a.max_queue, prefix_cache=a.prefix_cache,
-                    limits=Limits(max_tokens=a.max_tokens), prompt_lookup=a.prompt_lookup, ui=a.ui)
+                    limits=limits, prompt_lookup=a.prompt_lookup, ui=a.ui)
     # what loading left behind lives as long as the server: out of the cyclic collector's sight, its
     # full collections no longer walk it (they cost a request ~15-30 ms of its time to first token)
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    srv, grace = app.state.server, a.shutdown_grace
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # new requests 503; what runs has ``grace`` seconds, then is cancelled (from a thread: the
+            # signal may have interrupted this one inside a lock that draining takes)
+            threading.Thread(target=srv.drain, args=(grace,), daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    # uvicorn waits for open connections to end; past grace + 1 s it cancels what is left (a slow upload)
+    Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
+                          timeout_graceful_shutdown=grace + 1.0)).run()
     return 0

@@ -4,7 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
 Generation goes through the `Scheduler` (one thread, continuous batching); the event loop only
-parses, validates, tokenizes (in a worker thread) and relays the scheduler's events.
+parses, validates, tokenizes (in a worker thread) and relays the scheduler's events. A client
+that disconnects cancels its request at once (`Server.relay`, `Server.until_gone`); `Server.drain`
+is the graceful shutdown (docs/server-operations.md).
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..audio.prompt import message_audio
-from ..errors import AudioError, ImageError
+from ..chat.parser import ChatTokens
+from ..errors import AudioError, ContextError, ImageError, InputError
 from ..runtime.engine import SoftTokens
 from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
@@ -37,9 +40,10 @@ from .constraints import LogprobFormat, read_logprobs, read_n, read_response_for
 from .metrics import Metrics
 from .ollama import ollama_routes
 from .protocol import (CHAT_ONLY, WARNING_HEADER, APIError, ClientGone, Generation, Limits, bad, chat_messages,
-                       completion_prompt, embedding_inputs, generation, opt_int, reject_unsupported, require_model)
+                       check_messages, completion_prompt, embedding_inputs, generation, opt_int, parse_json,
+                       reject_unsupported, require_model)
 from .responses import Responses
-from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence
+from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence, ShuttingDown
 from .transcription import audio_routes
 from .ui import ui_routes
 
@@ -51,6 +55,23 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or later", type="server_error",
+                    code="shutting_down", headers={"Retry-After": RETRY_AFTER_S})
+
+
+def watch_disconnect(request: Request, on_gone: Callable[[], None]) -> asyncio.Task:
+    """A task that calls ``on_gone()`` once the client disconnects (the ASGI ``http.disconnect``
+    message, which the server sends the moment the connection closes, whether or not anything is
+    being written to it). Start it after the body is read; cancel it when the reply is done."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # (the body is read: nothing else comes)
+        on_gone()
+
+    return asyncio.ensure_future(watch())
+
+
 class Server:
     """Everything the routes share: the model, the scheduler, limits, metrics, the key."""
 
@@ -60,7 +81,7 @@ class Server:
         self.model = model
         self.tokenizer = model.tokenizer  # a server needs text: fail at start-up, not per request
         # a Gemma 4 vocabulary: chat replies are read apart (thought, calls); else they are plain text (Gemma 3)
-        self.chat_format = chat_format.ChatTokens.find(self.tokenizer) is not None
+        self.chat_format = ChatTokens.find(self.tokenizer) is not None
         self.embedder = embedder
         self.model_id = model_id
         self.embedder_id = embedder_id if embedder is not None else None
@@ -77,6 +98,7 @@ class Server:
         self.logprob_format = LogprobFormat(self.tokenizer)
         self._embed_lock = asyncio.Lock()
         self.created = int(time.time())
+        self.draining = False
         warning = self.template_warning()
         if warning:
             log.warning("%s", warning)
@@ -89,6 +111,14 @@ class Server:
         return (f"the model {self.model_id!r} has no chat template of its own (a base model?): the conversation "
                 "is rendered with the generic Gemma template and replies may be poor; /v1/completions continues "
                 "plain text")
+
+    def drain(self, grace: float) -> None:
+        """Begin a graceful shutdown: admit nothing new (new work answers 503 with Retry-After at
+        `relay` / `until_gone`; /health answers 503),
+        let what runs finish for ``grace`` seconds, then cancel it (each gets a clean end: a 503,
+        or an error event on a stream). From any thread (a signal handler starts one to call it)."""
+        self.draining = True
+        self.scheduler.drain(grace)
 
     # -- request plumbing ---------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -138,14 +168,9 @@ class Server:
         return out
 
     async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object, within ``max_body_bytes`` and ``max_json_depth`` (`protocol.parse_json`)."""
         body = await self.read_body(request, self.limits.max_body_bytes)
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise bad("request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise bad("request body must be a JSON object")
-        return data
+        return parse_json(body, self.limits)
 
     def route(self, path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
               auth: bool = True, error: Callable[[APIError], Response] = _error_response) -> Route:
@@ -158,6 +183,10 @@ class Server:
                 response = await handler(request)
             except APIError as e:
                 response = error(e)
+            except (ClientGone, ClientDisconnect):  # (the latter: it left while its body was read)
+                response = Response(status_code=499)  # client closed the request: nobody reads this
+            except (InputError, ContextError) as e:  # the project's own checks, wherever they ran
+                response = error(bad(str(e)))
             except Exception as e:  # a bug must answer 500 and leave the server serving
                 response = error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             self.metrics.inc("gemmalite_requests_total", labels={"endpoint": path, "status": str(response.status_code)})
@@ -181,7 +210,8 @@ class Server:
             raise bad(f"This model's maximum context length is {ctx} tokens; you requested {n + gen.max_tokens} "
                       f"tokens ({n} in the prompt, {gen.max_tokens} for the completion)",
                       "max_tokens", "context_length_exceeded")
-        max_tokens = gen.max_tokens if gen.max_tokens is not None else min(ctx - n, self.limits.max_tokens or ctx)
+        default = min(self.limits.default_max_tokens or ctx, self.limits.max_tokens or ctx)
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else min(ctx - n, default)
         try:
             params = self.model.defaults.params(**gen.sampling)
             stop_ids, stop_strings = stop_sets(gen.stop, self.model.defaults, self.tokenizer, chat=chat)
@@ -215,38 +245,68 @@ class Server:
 
     def relay(self, request: Request, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Any]]:
         """The request core every API shares: submit ``seqs`` (a request's choices) at once (a full
-        queue is an `APIError` 503) and return their events: each ``(choice index, event)``
-        (`Piece`, `Part`, then its `Finish`) until every choice has finished. Leaving the iteration
-        early (the client went away: `ClientGone`; an error; a closed stream) cancels every choice:
-        its slot is free at the scheduler's next step."""
+        queue is an `APIError` 429, a draining server's a 503, both with Retry-After) and return
+        their events: each ``(choice index, event)`` (`Piece`, `Part`, then its `Finish`) until every
+        choice has finished. The moment the client disconnects (streamed or not, running or still
+        queued), every choice is cancelled (its slot is free at the scheduler's next step; a queued
+        one never starts) and the iteration raises `ClientGone`. Leaving the iteration early (an
+        error, a closed stream) cancels every choice too. The body must have been read."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         for i, seq in enumerate(seqs):
             seq.sink = lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
         try:
             for seq in seqs:
                 self.scheduler.submit(seq)
-        except Overloaded as e:
+        except (Overloaded, ShuttingDown) as e:
             for seq in seqs:
-                seq.cancel()
-            raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="overloaded",
+                seq.cancel("rejected")
+            if isinstance(e, ShuttingDown):
+                raise shutting_down() from None
+            raise APIError(429, f"server busy: {e}; retry later", type="server_error", code="overloaded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
-        return self._events(request, seqs, events)
 
-    async def _events(self, request: Request, seqs: list[Sequence], events: asyncio.Queue):
+        def gone() -> None:
+            for seq in seqs:
+                seq.cancel("client_gone")
+            events.put_nowait((-1, None))
+
+        return self._events(seqs, events, watch_disconnect(request, gone))
+
+    async def _events(self, seqs: list[Sequence], events: asyncio.Queue, watcher: asyncio.Task):
         try:
             done = 0
             while done < len(seqs):
-                try:
-                    i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise ClientGone() from None
-                    continue
+                i, ev = await events.get()
+                if i < 0:
+                    raise ClientGone()
                 done += isinstance(ev, Finish)
                 yield i, ev
         finally:
+            watcher.cancel()
             for seq in seqs:
-                seq.cancel()  # a no-op once finished; frees the slot if the client left
+                seq.cancel()  # a no-op once finished; frees the slot if the reply was left early
+
+    async def until_gone(self, request: Request, work: Awaitable[Any]) -> Any:
+        """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (work
+        still waiting never starts; a worker thread already running finishes, its result unread)
+        and `ClientGone` is raised. For work that does not go through `relay` (embeddings); a
+        draining server refuses it (503), as `relay` does."""
+        if self.draining:
+            if asyncio.iscoroutine(work):
+                work.close()  # (never started)
+            raise shutting_down()
+        task, gone = asyncio.ensure_future(work), asyncio.Event()
+        watcher, waiter = watch_disconnect(request, gone.set), asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            self.metrics.inc("gemmalite_cancelled_total", labels={"cause": "client_gone"})
+            raise ClientGone()
+        finally:
+            watcher.cancel()
+            waiter.cancel()
 
     async def _run(self, request: Request, seqs: list[Sequence], gen: Generation, chunk: Callable[..., dict],
                    final: Callable[[list[tuple[list, Finish]]], dict | Response]) -> Response:
@@ -268,8 +328,6 @@ class Server:
                 self._check_finish(ev)
                 ev.logprobs = lps[i] + ev.logprobs
                 done[i] = ev
-        except ClientGone:
-            return Response(status_code=499)  # client closed the request: nobody reads this
         finally:
             await events.aclose()
         out = final([(got[i], done[i]) for i in range(len(seqs))])
@@ -279,9 +337,8 @@ class Server:
     def _check_finish(ev: Finish) -> None:
         if ev.reason == "error":
             raise APIError(500, f"generation failed: {ev.error}", type="server_error")
-        if ev.reason == "cancelled":
-            raise APIError(503, "the server is shutting down", type="server_error",
-                           headers={"Retry-After": RETRY_AFTER_S})
+        if ev.reason == "cancelled":  # (by the server: a client that left reads nothing)
+            raise shutting_down()
 
     async def _sse(self, seqs: list[Sequence], events: AsyncIterator[tuple[int, Any]], gen: Generation,
                    chunk: Callable[..., dict]):
@@ -320,6 +377,7 @@ class Server:
         """A conversation as the scheduler runs it: rendered (with ``opts``' tools and thinking), its
         pictures and clips through their towers (here, in a worker thread, not in the scheduler),
         checked against the context."""
+        check_messages(messages, self.limits, param)
         images, clips = message_images(messages), message_audio(messages)
         if images and self.model.vision is None:
             raise bad(f"the model {self.model_id!r} has no vision tower: it takes no image_url parts", param,
@@ -448,21 +506,23 @@ class Server:
             raise bad("this embedder takes text input only", "input")
         kw = {"dimensions": dims} if dims is not None else {}
         fn = emb.embed_ids if are_ids else emb.embed
-        n_tokens = None
-        async with self._embed_lock:
-            try:
-                if parts:  # pictures and clips through their towers once; usage counts their soft tokens
-                    prepared = await run_in_threadpool(emb.prepare, inputs)
-                    n_tokens = sum(len(x) for x in prepared[0])
-                    vecs = await run_in_threadpool(lambda: emb.embed_prepared(prepared, **kw))
-                else:
-                    vecs = await run_in_threadpool(fn, inputs, **kw)
-            except AudioError as e:
-                raise bad(str(e), "input", "invalid_audio") from None
-            except ImageError as e:
-                raise bad(str(e), "input", "invalid_image") from None
-            except ValueError as e:  # the project's errors: bad dimensions, too long, ...
-                raise bad(str(e), "input") from None
+
+        async def run() -> tuple[Any, int | None]:  # one embedding at a time; a request waiting here
+            async with self._embed_lock:  # whose client leaves never starts (`until_gone`)
+                try:
+                    if parts:  # pictures and clips through their towers once; usage counts their soft tokens
+                        prepared = await run_in_threadpool(emb.prepare, inputs)
+                        n = sum(len(x) for x in prepared[0])
+                        return await run_in_threadpool(lambda: emb.embed_prepared(prepared, **kw)), n
+                    return await run_in_threadpool(fn, inputs, **kw), None
+                except AudioError as e:
+                    raise bad(str(e), "input", "invalid_audio") from None
+                except ImageError as e:
+                    raise bad(str(e), "input", "invalid_image") from None
+                except ValueError as e:  # the project's errors: bad dimensions, too long, ...
+                    raise bad(str(e), "input") from None
+
+        vecs, n_tokens = await self.until_gone(request, run())
         vecs = np.asarray(vecs, dtype=np.float32)
         self.metrics.inc("gemmalite_embedding_inputs_total", len(inputs))
         if n_tokens is None:
@@ -506,13 +566,17 @@ class Server:
             "embedding_images": getattr(self.embedder, "vision", None) is not None,
             # replies read into reasoning_content / tool_calls (a Gemma 4 vocabulary: chat_format)
             "thinking": self.chat_format, "tools": self.chat_format,
-            "limits": {"max_tokens": lim.max_tokens, "max_images": lim.max_images,
+            "limits": {"max_tokens": lim.max_tokens, "default_max_tokens": lim.default_max_tokens,
+                       "max_messages": lim.max_messages, "max_images": lim.max_images,
                        "max_image_bytes": lim.max_image_bytes, "max_inputs": lim.max_inputs,
                        "max_body_bytes": lim.max_body_bytes, "max_audio": lim.max_audio,
                        "max_audio_bytes": lim.max_audio_bytes, "max_audio_seconds": lim.max_audio_seconds},
         })
 
     async def health(self, request: Request) -> Response:
+        if self.draining:
+            return JSONResponse({"status": "draining", "detail": "shutting down"}, status_code=503,
+                                headers={"Retry-After": RETRY_AFTER_S})
         if not self.scheduler.alive:
             return JSONResponse({"status": "error", "detail": "scheduler stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})

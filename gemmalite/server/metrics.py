@@ -9,6 +9,7 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 HELP = {
     "gemmalite_requests_total": ("counter", "HTTP requests answered, by endpoint and status"),
     "gemmalite_rejected_total": ("counter", "requests refused because the queue was full"),
+    "gemmalite_cancelled_total": ("counter", "generations cancelled, by cause (client_gone, shutdown, abandoned)"),
     "gemmalite_prompt_tokens_total": ("counter", "prompt tokens of admitted generations"),
     "gemmalite_cached_prompt_tokens_total": ("counter", "prompt tokens served from the prefix cache"),
     "gemmalite_completion_tokens_total": ("counter", "generated tokens"),

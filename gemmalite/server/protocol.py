@@ -5,12 +5,15 @@ nothing a client sends reaches the engine unchecked.
 """
 from __future__ import annotations
 
-import base64
-import binascii
+import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat import content
+from ..chat.content import AUDIO_FORMATS, sniff_audio  # noqa: F401 (the API modules' names for them)
 from ..runtime.generate import prompt_lookup_drafts
 
 
@@ -36,12 +39,20 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param=param, code=code)
 
 
+DEFAULT_MAX_TOKENS = 2048  # the reply cap of a request that sets no max_tokens (`serve --default-max-tokens`)
+TRANSCRIPTION_TOKENS_PER_SECOND = 12  # a transcription's reply cap: this many tokens a second of audio (speech
+TRANSCRIPTION_TOKENS_SLACK = 32  # runs ~3-6 tokens a second, ~10 in the densest scripts), plus these
+
+
 @dataclass
 class Limits:
     """What one request may ask for (the server's command line sets them)."""
 
     max_body_bytes: int = 4 << 20
-    max_tokens: int | None = None  # None: up to the context
+    max_json_depth: int = 64  # nesting of a JSON body's arrays and objects
+    max_tokens: int | None = None  # the most a request may ask for (None: up to the context)
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # for a request that does not say (None: up to the context)
+    max_messages: int = 1000  # messages of one conversation
     max_inputs: int = 256  # embedding inputs per request
     max_stop: int = 4
     max_stop_chars: int = 256
@@ -51,6 +62,53 @@ class Limits:
     max_audio: int = 4  # audio clips per request (input_audio parts, a transcription's file)
     max_audio_bytes: int = 3 << 20  # one encoded clip (its base64 must also fit in the body)
     max_audio_seconds: float = 120.0  # one clip's length, read from the header before decoding
+
+
+def parse_json(body: bytes, limits: Limits) -> dict[str, Any]:
+    """A request body as a JSON object: valid UTF-8 JSON, nested at most ``max_json_depth`` deep,
+    every string text (a lone surrogate escape such as ``"\\ud800"`` is not); else a 400 naming why."""
+    try:
+        data = json.loads(body)
+        problem = _json_problem(data, limits.max_json_depth) if isinstance(data, dict) else None
+    except RecursionError:  # deeper than the parser goes
+        data, problem = {}, "deep"
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad("request body must be a JSON object")
+    if problem == "deep":
+        raise bad(f"request body is nested more than {limits.max_json_depth} levels deep", code="json_too_deep")
+    if problem is not None:
+        raise bad(f"request body holds a string that is not text: {problem}", code="invalid_text")
+    return data
+
+
+def _json_problem(data: Any, max_depth: int) -> str | None:
+    """"deep" if ``data`` nests deeper than ``max_depth``; a description of its first string (key
+    or value) holding a lone surrogate; else None. Iterative: no recursion on hostile input."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return "deep"
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            for x in (k, v):
+                if isinstance(x, str) and not x.isascii():
+                    try:
+                        x.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        return f"a lone surrogate {x[e.start]!r} at position {e.start} of {x[:40]!r}"
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+    return None
+
+
+def check_messages(messages: list, limits: Limits, param: str = "messages") -> None:
+    """A conversation's length: at most ``max_messages`` messages."""
+    if len(messages) > limits.max_messages:
+        raise bad(f"at most {limits.max_messages} messages per request, got {len(messages)}", param,
+                  "too_many_messages")
 
 
 # -- typed field readers -------------------------------------------------------------------
@@ -187,6 +245,7 @@ def chat_messages(body: dict, limits: Limits) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
+    check_messages(msgs, limits)
     out, images, clips = [], 0, 0
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
@@ -217,104 +276,36 @@ def _content(c: Any, role: str, where: str, limits: Limits) -> str | list[dict[s
         return ""
     if not isinstance(c, list):
         raise bad(f"{where}.content must be a string or a list of content parts", f"{where}.content")
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(c):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
-        elif kind == "image_url":
-            parts.append({"type": "image", "image": image_bytes(part.get("image_url"), f"{where}.content[{j}]", limits)})
-        elif kind == "input_audio":
-            parts.append({"type": "audio", "audio": audio_bytes(part.get("input_audio"), f"{where}.content[{j}]", limits)})
-        elif kind == "file":
-            raise bad(f"{where}.content[{j}]: file parts are not supported by this server", f"{where}.content")
-        else:
-            raise bad(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}, "
-                      "{'type': 'image_url', 'image_url': {'url': 'data:...'}} or "
-                      "{'type': 'input_audio', 'input_audio': {'data': base64, 'format': 'wav'}}", f"{where}.content")
-    if all(p["type"] == "text" for p in parts):
-        return "\n".join(p["text"] for p in parts)
-    return parts
+    with part_errors():
+        return content.content(c, f"{where}.content", max_image_bytes=limits.max_image_bytes,
+                               max_audio_bytes=limits.max_audio_bytes, join_text=True)
+
+
+@contextmanager
+def part_errors() -> Iterator[None]:
+    """`chat.content`'s errors as 400s naming the part, with its code."""
+    try:
+        yield
+    except content.PartError as e:
+        raise bad(str(e), e.where, e.code) from None
 
 
 def image_bytes(image_url: Any, where: str, limits: Limits) -> bytes:
-    """The picture of an ``image_url`` part: a base64 data URL, size-checked before and after
-    decoding. Web addresses are refused: this server never fetches anything."""
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
-    if not isinstance(url, str):
-        raise bad(f"{where}.image_url must be {{'url': 'data:image/...;base64,...'}}", where)
-    if url.startswith(("http://", "https://")):
-        raise bad(f"{where}: image URLs are not fetched by this server; send the picture inline as a data URL "
-                  "(data:image/png;base64,...)", where, "image_url_not_supported")
-    head, comma, payload = url.partition(",")
-    if not (url.startswith("data:") and comma and head.endswith(";base64")):
-        raise bad(f"{where}: the image URL must be a base64 data URL (data:image/png;base64,...)", where, "invalid_image")
-    return inline_bytes(payload, where, limits.max_image_bytes, "the picture", "the data URL", "image")
-
-
-def inline_bytes(payload: str | bytes, where: str, limit: int, noun: str, encoded: str, kind: str) -> bytes:
-    """Media sent inline (base64 text, or the bytes themselves), size-checked before decoding (so
-    a huge body is refused unread) and after; errors name ``noun`` / ``encoded`` and carry the codes
-    ``{kind}_too_large`` / ``invalid_{kind}``."""
-    too_big = bad(f"{where}: {noun} is larger than the {limit} bytes allowed", where, f"{kind}_too_large")
-    if isinstance(payload, str):
-        if len(payload) > 4 * (limit // 3 + 1):
-            raise too_big
-        try:
-            payload = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise bad(f"{where}: {encoded} is not valid base64", where, f"invalid_{kind}") from None
-    if not payload:
-        raise bad(f"{where}: {noun} is empty", where, f"invalid_{kind}")
-    if len(payload) > limit:
-        raise too_big
-    return payload
-
-
-AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
-
-
-def sniff_audio(data: bytes) -> str | None:
-    """The container of encoded audio from its first bytes (None: none we decode). The client's
-    ``format`` is not trusted: the decoder reads what the bytes are."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
-        return "wav"
-    if data[:4] == b"fLaC":
-        return "flac"
-    if data[:4] == b"OggS":
-        return "ogg"
-    if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
-        return "mp3"
-    return None
+    """The picture of an ``image_url`` part (`chat.content.image_url_bytes`); errors are 400s."""
+    with part_errors():
+        return content.image_url_bytes(image_url, where, limits.max_image_bytes)
 
 
 def audio_bytes(input_audio: Any, where: str, limits: Limits) -> bytes:
-    """The clip of an ``input_audio`` part (``{"data": base64, "format": "wav" | "mp3" | ...}``),
-    size-checked before and after decoding, its container sniffed from the bytes. Addresses are
-    refused: this server never fetches anything."""
-    if not isinstance(input_audio, dict) or not isinstance(input_audio.get("data"), str):
-        raise bad(f"{where}.input_audio must be {{'data': base64 string, 'format': 'wav' | 'mp3'}}", where, "invalid_audio")
-    fmt, payload = input_audio.get("format"), input_audio["data"]
-    if fmt is not None and fmt not in AUDIO_FORMATS:
-        raise bad(f"{where}.input_audio.format must be one of {list(AUDIO_FORMATS)}, got {fmt!r}", where, "invalid_audio")
-    if payload.startswith(("http://", "https://", "file:")):
-        raise bad(f"{where}: audio URLs are not fetched by this server; send the clip inline as base64", where,
-                  "audio_url_not_supported")
-    if payload.startswith("data:"):  # a data URL where the bare base64 belongs: take its payload
-        head, comma, payload = payload.partition(",")
-        if not (comma and head.endswith(";base64")):
-            raise bad(f"{where}: input_audio.data must be base64", where, "invalid_audio")
-    return clip_bytes(payload, where, limits)
+    """The clip of an ``input_audio`` part (`chat.content.input_audio_bytes`); errors are 400s."""
+    with part_errors():
+        return content.input_audio_bytes(input_audio, where, limits.max_audio_bytes)
 
 
 def clip_bytes(payload: str | bytes, where: str, limits: Limits) -> bytes:
-    """Encoded audio (base64 text, or the bytes themselves), within ``max_audio_bytes`` and of a
-    container we decode (sniffed from the first bytes)."""
-    payload = inline_bytes(payload, where, limits.max_audio_bytes, "the audio clip", "the audio data", "audio")
-    if sniff_audio(payload) is None:
-        raise bad(f"{where}: not an audio file this server decodes (WAV, FLAC, OGG or MP3, sniffed from its first bytes)",
-                  where, "invalid_audio")
-    return payload
+    """Encoded audio within ``max_audio_bytes``, of a container we decode (`chat.content.clip_bytes`)."""
+    with part_errors():
+        return content.clip_bytes(payload, where, limits.max_audio_bytes)
 
 
 def completion_prompt(body: dict, vocab: int) -> str | list[int]:

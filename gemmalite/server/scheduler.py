@@ -6,7 +6,8 @@ requests (up to ``max_concurrency`` active), prefills their new tokens together
 the others' prefills one after another) and samples each one's first token; then one batched
 decode step computes the next token of every active sequence
 (`Engine.decode_batch`: each weight is read once for all of them). A sequence whose client
-went away (``cancel()``) is dropped at the next step and its KV state goes back to a small
+went away (``cancel(cause)``) is dropped at the next step (a waiting one leaves the queue,
+unstarted) and its KV state goes back to a small
 prefix cache: a later request that starts with the same tokens (a multi-turn chat resent
 whole) takes that state and runs only its new tokens. Requests that start alike at the same
 time share too: a new request whose first SHARE_MIN+ tokens match a running sequence's, or
@@ -30,6 +31,9 @@ worker thread while the engine runs the step; its drafts are the tokens the gram
 else its prompt-lookup drafts cut where the grammar refuses them. An unconstrained sequence
 is sampled exactly as before. ``logprobs``: each token's `TokenLogprob` rides on the `Piece`
 that carries its text (those not yet sent, on the `Finish`).
+
+``drain(grace)`` (a graceful shutdown) refuses new sequences (`ShuttingDown`) and cancels what
+still runs or waits once ``grace`` seconds have passed.
 
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in
@@ -68,7 +72,11 @@ STEP_ROWS = 8  # prompt-lookup drafts stop where a decode step would exceed this
 
 
 class Overloaded(RuntimeError):
-    """The waiting queue is full: the caller answers 503 with Retry-After."""
+    """The waiting queue is full: the caller answers 429 with Retry-After."""
+
+
+class ShuttingDown(RuntimeError):
+    """The scheduler is draining (`Scheduler.drain`) and admits nothing new: the caller answers 503."""
 
 
 @dataclass
@@ -109,6 +117,7 @@ class Sequence:
     stop_strings: list[str]
     sink: Callable[[Any], None]
     cancelled: bool = False
+    cancel_cause: str | None = None  # why it was cancelled ("client_gone", "shutdown", ...): /metrics counts them
     soft: SoftTokens | None = None  # rows of ``ids`` given as embeddings (pictures)
     lookup: int = 0  # prompt-lookup drafts per step (0: plain decoding; at most FEW_ROWS - 1 are used)
     prediction: list[int] = field(default_factory=list)  # a predicted reply's tokens: more text to draft from
@@ -135,8 +144,11 @@ class Sequence:
     policy: DraftPolicy | None = None  # MTP drafts per step (with a drafter)
     modeled: bool = False  # whether the drafts of the step under way are the drafter's
 
-    def cancel(self) -> None:
-        """Called from any thread; the scheduler frees the sequence at its next step."""
+    def cancel(self, cause: str = "abandoned") -> None:
+        """Called from any thread; the scheduler frees the sequence at its next step (a waiting one
+        is never started). ``cause``: the first one given is kept, for the cancellation metrics."""
+        if self.cancel_cause is None:
+            self.cancel_cause = cause
         self.cancelled = True
 
 
@@ -208,6 +220,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="gemmalite-scheduler", daemon=True)
         self._turn = 0  # the sequence whose drafts come first in the next step (they take turns)
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="gemmalite-masks")  # grammar masks beside the step
+        self._drain_at: float | None = None  # (monotonic) when what still runs is cancelled (`drain`)
 
     # -- any thread -------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -229,7 +242,23 @@ class Scheduler:
             self._thread.join(timeout=30)
         self._masker.shutdown(wait=False)
 
+    def drain(self, grace: float) -> None:
+        """Admit nothing new (`submit` raises `ShuttingDown`); what is running or waiting may finish
+        for ``grace`` seconds, then it is cancelled (cause "shutdown": each gets its `Finish`).
+        Callable from any thread (not from a signal handler: it takes a lock); a second call keeps
+        the earlier deadline."""
+        at = time.monotonic() + max(0.0, grace)
+        if self._drain_at is None or at < self._drain_at:
+            self._drain_at = at
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_at is not None
+
     def submit(self, seq: Sequence) -> None:
+        if self._drain_at is not None:
+            raise ShuttingDown("the server is shutting down")
         self.start()
         try:
             self.waiting.put_nowait(seq)
@@ -247,22 +276,32 @@ class Scheduler:
         while not self._stop:
             self._wake.clear()  # before looking: a submit from now on wakes the wait below
             try:
+                if self._drain_at is not None and time.monotonic() >= self._drain_at:
+                    self._cancel_all("shutdown")
+                self._drop_cancelled()  # first: a slot freed here is taken by a waiting request now
                 self._admit()
-                self._drop_cancelled()
                 if not self.active:
-                    self._wake.wait(timeout=0.5)
+                    left = 0.5 if self._drain_at is None else self._drain_at - time.monotonic()
+                    self._wake.wait(timeout=min(0.5, left) if left > 0 else 0.5)
                     continue
                 self._decode()
             except Exception as e:  # a failure ends the running batch, never the scheduler
                 for seq in list(self.active):
                     self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
-        for seq in list(self.active):  # shutting down: everyone still here gets an answer
-            self._finish(seq, "cancelled")
+        self._cancel_all("shutdown")  # shutting down: everyone still here gets an answer
+        self._drop_cancelled()
         while True:
             try:
                 self._finish(self.waiting.get_nowait(), "cancelled")
             except queue.Empty:
                 break
+
+    def _cancel_all(self, cause: str) -> None:
+        """Cancel every running and waiting sequence (the waiting ones end when `_admit` takes them)."""
+        with self.waiting.mutex:
+            waiting = list(self.waiting.queue)
+        for seq in list(self.active) + waiting:
+            seq.cancel(cause)
 
     def _admit(self) -> None:
         """Take the waiting requests (while there is room) and prefill them together."""
@@ -415,7 +454,17 @@ class Scheduler:
         self._accept(seq, logits, allowed=allowed)
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self.active if s.cancelled]:
+        """End the cancelled sequences: running ones leave the batch, waiting ones the queue (unstarted)."""
+        gone = [s for s in self.active if s.cancelled]
+        with self.waiting.mutex:  # (queue.Queue's own lock: a cancelled request frees its place at once)
+            q = self.waiting.queue
+            if any(s.cancelled for s in q):
+                gone += [s for s in q if s.cancelled]
+                keep = [s for s in q if not s.cancelled]
+                q.clear()
+                q.extend(keep)
+                self.waiting.not_full.notify_all()
+        for seq in gone:
             self._finish(seq, "cancelled")
 
     def _decode(self) -> None:
@@ -528,7 +577,7 @@ class Scheduler:
         try:
             seq.sink(event)
         except Exception:  # the client's event loop is gone: nobody will read the rest
-            seq.cancelled = True
+            seq.cancel("client_gone")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq in self.active:
@@ -540,5 +589,7 @@ class Scheduler:
             self.cache.put(seq.state)
         seq.state = seq.first_logits = None
         self.metrics.inc("gemmalite_finished_total", labels={"reason": reason})
+        if reason == "cancelled":
+            self.metrics.inc("gemmalite_cancelled_total", labels={"cause": seq.cancel_cause or "abandoned"})
         self._emit(seq, Finish(reason, len(seq.ids), seq.generated, seq.cached, error, seq.drafted, seq.accepted,
                                self._take_logprobs(seq)))

@@ -25,8 +25,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..audio.decode import SAMPLE_RATE, load_audio
+from ..audio.prompt import TOKENS_PER_SECOND
 from ..errors import AudioError
-from .protocol import WARNING_HEADER, APIError, ClientGone, Generation, bad, clip_bytes, require_model
+from .protocol import (TRANSCRIPTION_TOKENS_PER_SECOND, TRANSCRIPTION_TOKENS_SLACK, WARNING_HEADER, APIError, ClientGone,
+                       Generation, bad, clip_bytes, require_model)
 from .scheduler import Finish, Piece
 
 WINDOW_S = 30.0  # seconds of audio per segment (the audio tower's window)
@@ -210,6 +212,9 @@ async def transcribe(srv: Any, request: Request, translate: bool) -> Response:
         msgs = translation_messages(part, opts.prompt) if translate else \
             transcription_messages(part, opts.language, opts.prompt)
         seq = await srv._chat_sequence(msgs, gen, param="file")
+        seconds = len(seq.soft.rows) / TOKENS_PER_SECOND if seq.soft is not None else 0.0  # this window's clip
+        seq.max_tokens = min(seq.max_tokens,
+                             math.ceil(seconds * TRANSCRIPTION_TOKENS_PER_SECOND) + TRANSCRIPTION_TOKENS_SLACK)
         seq.logprobs = 0  # each token's id and log-probability (verbose_json's segments)
         seqs.append(seq)
     events = srv.relay(request, seqs)

@@ -262,3 +262,22 @@ def test_bad_audio_answers_400_and_server_keeps_serving(live, refs):
     assert live.raw("GET", "/health", key=None)[0] == 200
     r = c.chat.completions.create(model=MODEL_ID, messages=_api_messages("a"), max_tokens=8, temperature=0)
     assert r.choices[0].message.content == refs["a"]
+
+
+def test_transcription_reply_is_capped_by_the_clip_length(model):
+    """Without a max_tokens cap on the server, a transcription still cannot run to the context's
+    end: its reply is capped at 12 tokens a second of its clip, plus 32 (docs/server-operations.md);
+    the clip's length counted by its audio tokens (25 a second), so within a token of the seconds'."""
+    import math
+
+    from gemmalite.server import build_app
+
+    s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY))
+    caps, submit = [], s.srv.scheduler.submit
+    s.srv.scheduler.submit = lambda seq: (caps.append(seq.max_tokens), submit(seq))[1]
+    try:
+        s.client().audio.transcriptions.create(model=MODEL_ID, file=("a.wav", CLIPS["a"], "audio/wav"))
+    finally:
+        s.stop()
+    [cap] = caps
+    assert abs(cap - (math.ceil(1.1 * 12) + 32)) <= 1 and cap < s.srv.limits.default_max_tokens, cap

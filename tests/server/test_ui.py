@@ -784,3 +784,28 @@ def test_audio_file_and_recording_are_sent_as_input_audio(scripted, open_page, t
     assert rate == 16000 and samples.ndim == 1 and 0.5 < len(samples) / rate < 5
     assert np.abs(samples).max() > 0.01  # the fake microphone's beep, not silence
     assert bodies[1]["messages"][:2] == [bodies[0]["messages"][0], {"role": "assistant", "content": "heard"}]  # history
+
+
+def test_page_keeps_to_the_servers_max_tokens(model, open_page):
+    """Under `serve --max-tokens 8` the page's first message works (its field said 512): the page
+    reads the cap from /v1/capabilities, shows it and asks for no more; the reply is
+    `ChatSession.chat`'s with 8 tokens."""
+    from gemmalite.server import build_app
+    from gemmalite.server.protocol import Limits
+
+    want = model.session().chat([_turn(FIRST)], max_new_tokens=8, temperature=0)
+    s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY, limits=Limits(max_tokens=8)))
+    try:
+        p = open_page(s).ready()
+        assert p.page.input_value("#max_tokens") == "8"
+        p.page.fill("#temperature", "0")
+        sent = p.bodies()
+        p.send(FIRST)
+        assert p.reply(1)[0] == want
+        assert [b["max_tokens"] for b in sent] == [8]
+        p.page.fill("#max_tokens", "500")  # typed over the cap: sent as the cap
+        p.send(SECOND)
+        p.reply(3)
+        assert [b["max_tokens"] for b in sent] == [8, 8] and not p.errors, p.errors
+    finally:
+        s.stop()

@@ -85,6 +85,11 @@ async function start() {
   for (const e of document.querySelectorAll(".embed-pics")) e.hidden = !caps.embedding_images;
   $("tab-embed").hidden = !caps.embeddings;
   $("forget-key").hidden = !ui.key;
+  const cap = (caps.limits || {}).max_tokens;
+  if (cap) {  // the field offers no more than the server allows
+    $("max_tokens").max = String(cap);
+    if (parseInt($("max_tokens").value, 10) > cap) $("max_tokens").value = String(cap);
+  }
   const takes = ["text"].concat(caps.vision ? ["pictures"] : [], caps.audio ? ["audio"] : []);
   $("caps").textContent = `Takes ${takes.join(", ")}; context ${caps.context} tokens` +
     (caps.embedder ? `; embedder ${caps.embedder}` : "") + ".";
@@ -238,7 +243,8 @@ function requestBody() {
   const mt = numberSetting("max_tokens", (v) => parseInt(v, 10));
   if (t !== undefined) body.temperature = t;
   if (p !== undefined) body.top_p = p;
-  if (mt !== undefined) body.max_tokens = mt;
+  const cap = (ui.caps.limits || {}).max_tokens;  // the server's own limit: never ask for more
+  if (mt !== undefined) body.max_tokens = cap ? Math.min(mt, cap) : mt;
   if (ui.caps.thinking && $("think").checked) body.reasoning_effort = "medium";
   const tools = ui.caps.tools ? $("tools").value.trim() : "";
   if (tools) {
