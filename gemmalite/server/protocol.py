@@ -25,6 +25,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client closed the request: nobody reads the rest (`Server.relay` has cancelled its work)."""
+
+
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
