@@ -29,7 +29,9 @@ row per draft too) are computed in one llguidance batch call, with the GIL relea
 worker thread while the engine runs the step; its drafts are the tokens the grammar forces,
 else its prompt-lookup drafts cut where the grammar refuses them. An unconstrained sequence
 is sampled exactly as before. ``logprobs``: each token's `TokenLogprob` rides on the `Piece`
-that carries its text (those not yet sent, on the `Finish`).
+that carries its text (those not yet sent, on the `Finish`). ``thinking_budget``: once the
+sequence's thoughts have spent it, the open thought's end is the only token allowed
+(`runtime.budget`), row by row like a grammar's mask.
 
 Results leave through each sequence's ``sink`` callable, called on the scheduler thread with
 `Piece` / `Finish` events; detokenization and stop strings (`TextCutter`, as in

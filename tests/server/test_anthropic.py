@@ -16,6 +16,8 @@ import pytest
 from live_server import KEY, LiveServer
 from scripted_engine import scripted_model
 
+from gemmalite.errors import InputError
+
 MODEL_ID = "tiny-gemma"
 WEATHER = {"type": "object", "properties": {"location": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
                                             "units": {"type": "string", "enum": ["c", "f"]}},
@@ -97,8 +99,11 @@ def script(model, messages, reply: str | list[int], tools=None, thinking=False, 
     return ids
 
 
-def both(c: anthropic.Anthropic, **kw):
-    """The message, non-streamed and streamed (the SDK's accumulation of the events), which must agree."""
+def both(c: anthropic.Anthropic, greedy: bool = True, **kw):
+    """The message, non-streamed and streamed (the SDK's accumulation of the events), which must agree.
+    ``greedy``: at temperature 0 (the scripted engine's flat logits make the default top-k slow)."""
+    if greedy:
+        kw["extra_body"] = {"temperature": 0, **kw.get("extra_body", {})}
     msg = c.messages.create(**kw)
     with c.messages.stream(**kw) as s:
         final = s.get_final_message()
@@ -225,15 +230,20 @@ def test_thinking_budget_closes_the_thought(scripted, model):
     """With a budget of k, the thought has k tokens, then <channel|> and the answer; the same
     reply through `Model.chat(thinking_budget=k)`."""
     c = client(scripted)
-    for k in (5, 17):
+    for k, greedy in ((5, False), (17, True)):  # (sampled: the forced token is drawn like any other)
         ids, thought = cut_reply(model, LONG_THOUGHT, k, "The answer is 42.")
-        msg = both(c, model=MODEL_ID, max_tokens=100, messages=USER, thinking={"type": "enabled", "budget_tokens": k})
+        msg = both(c, greedy, model=MODEL_ID, max_tokens=100, messages=USER,
+                   thinking={"type": "enabled", "budget_tokens": k})
         assert blocks(msg) == [{"type": "thinking", "thinking": thought, "signature": ""},
                                {"type": "text", "text": "The answer is 42.", "citations": None}]
         assert msg.usage.output_tokens == len(ids) and msg.stop_reason == "end_turn"
         model.reset_chat()
-        reply = model.chat(USER, thinking_budget=k, max_new_tokens=100, prompt_lookup=True)
+        reply = model.chat(USER, thinking_budget=k, max_new_tokens=100, prompt_lookup=True,
+                           temperature=0 if greedy else None)
         assert (reply.reasoning, reply.content, reply.stats.new_tokens) == (thought, "The answer is 42.", len(ids))
+    for bad in (-1, 2.5, "10"):
+        with pytest.raises(InputError, match="thinking_budget"):
+            model.chat(USER, thinking_budget=bad)
 
 
 def test_thinking_budget_in_the_tools_grammar(scripted, model):
@@ -254,7 +264,7 @@ def test_a_thought_within_the_budget_is_untouched(scripted, model):
         assert blocks(both(c, **kw, thinking={"type": "enabled", "budget_tokens": k})) == blocks(plain)
     def solo(**kw):
         model.reset_chat()
-        r = model.chat(USER, max_new_tokens=200, prompt_lookup=True, **kw)
+        r = model.chat(USER, max_new_tokens=200, prompt_lookup=True, temperature=0, **kw)
         return r.reasoning, r.content, r.finish_reason, r.stats.new_tokens
 
     unbudgeted = solo(thinking=True)
