@@ -31,7 +31,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 OVERLOADED = 529  # Anthropic's status for an overloaded server (its SDK retries it)
 # the chat core's names for what Anthropic calls otherwise (in its error messages)
 RENAMES = {".function.parameters": ".input_schema", ".function.name": ".name", "'stop'": "'stop_sequences'",
-           "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+           "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "image_url parts": "image blocks"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 

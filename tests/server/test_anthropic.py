@@ -9,6 +9,7 @@ non-streamed one.
 """
 from __future__ import annotations
 
+import base64
 import json
 
 import anthropic
@@ -295,6 +296,9 @@ def test_api_keys(scripted):
     assert client(scripted).messages.count_tokens(model=MODEL_ID, messages=USER).input_tokens > 0
 
 
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(64)).decode()  # (the tiny checkpoint has no vision tower)
+
+
 def _user(*blocks):
     return {"messages": [{"role": "user", "content": list(blocks)}]}
 
@@ -309,6 +313,7 @@ BAD = [
     (_user({"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}), "'url'"),
     (_user({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@"}}), "base64"),
     (_user({"type": "text", "text": "x", "citations": [{"type": "char_location"}]}), "citations"),
+    (_user({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}), "image blocks"),
     ({"messages": TOOL_TURN + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2"}]}]},
      "toolu_2"),
     ({"messages": TOOL_TURN + [{"role": "user", "content": [{"type": "text", "text": "x"},
