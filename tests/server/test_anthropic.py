@@ -186,6 +186,7 @@ def test_tool_loop(scripted, model):
     script(model, USER, CALLS, tools=OPENAI_TOOLS)
     msg = both(c, **{**kw, "thinking": {"type": "disabled"}, "max_tokens": 12})
     assert msg.stop_reason == "max_tokens" and msg.content[-1].type == "tool_use"
+    assert msg.content[-1].input == {"days": 3}  # (the 12 tokens end at `,location`: one argument is complete)
 
 
 ONE_CALL = CALLS.split("<tool_call|>")[0] + "<tool_call|><|tool_response>"
