@@ -21,6 +21,7 @@ from .audio.prompt import TOKENS_PER_SECOND, Audio, message_audio
 from .errors import ConfigError, InputError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
+from .runtime.budget import ThoughtBudget
 from .runtime.cache import KVState
 from .runtime.constrain import Grammar, constraint
 from .runtime.drafting import Drafter
@@ -126,11 +127,13 @@ class Model:
     # -- generation ---------------------------------------------------------------------
     def _token_stream(self, state: KVState, arr: np.ndarray, soft: SoftTokens | None, *, max_new_tokens: int,
                       params: SamplingParams, stop_ids: set[int], stats: GenerationStats, drafts: int = 0,
-                      grammar: Grammar | None = None, logprobs: int | None = None):
+                      grammar: Grammar | None = None, logprobs: int | None = None,
+                      thinking_budget: int | None = None):
         matcher = grammar.matcher(stop_ids) if grammar is not None else None
+        budget = ThoughtBudget.of(self.tokenizer, thinking_budget) if thinking_budget is not None else None
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
                             stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts, matcher=matcher,
-                            logprobs=logprobs, drafter=self.drafter)
+                            logprobs=logprobs, drafter=self.drafter, budget=budget)
 
     def constraint(self, json_schema=None, regex=None, grammar=None) -> Grammar | None:
         """The compiled `Grammar` of a call's ``json_schema`` / ``regex`` / ``grammar`` options
@@ -243,11 +246,12 @@ class Model:
     def reply(self, state: KVState | None, ids: list[int], *, stream: bool, max_new_tokens: int, stop, truncate: bool,
               params: SamplingParams, tools: bool, max_calls: int | None = None, session: "ChatSession | None" = None,
               images=None, audio=None, drafts: int = 0, grammar: Grammar | None = None,
-              logprobs: int | None = None):
+              logprobs: int | None = None, thinking_budget: int | None = None):
         """A chat reply with its parts apart (`ChatReply`, or with ``stream`` a `Stream` of the
         `chat.parser` events): `text`'s generation, read by the `OutputParser` (``tools``: parse
         tool calls; ``max_calls``: end the turn after that many); stop strings end the content only;
-        ``session`` as in `text`."""
+        ``session`` as in `text`; ``thinking_budget``: thought tokens before the thought is closed
+        (`runtime.budget`)."""
         stop_ids, stop_strings = stop_sets(stop, self.defaults, self._tokenizer, chat=True)
         arr, soft = self._prompt(ids, images, max_new_tokens, truncate, audio)
         parser = OutputParser(self.tokenizer, tools=tools, stops=stop_strings, max_calls=max_calls)
@@ -256,7 +260,7 @@ class Model:
             def run(st: KVState) -> Iterator[Any]:
                 tokens = self._token_stream(st, arr, soft, max_new_tokens=max_new_tokens, params=params,
                                             stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
-                                            logprobs=logprobs)
+                                            logprobs=logprobs, thinking_budget=thinking_budget)
                 return reply_events(tokens, parser, stats)
 
             return run(state) if session is None else session.replying(run)
@@ -305,7 +309,7 @@ class ChatSession:
              truncate: bool = False, prompt_lookup: int | bool = False, tools: list[dict[str, Any]] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool = True, thinking: bool | None = None,
              structured: bool = False, json_schema=None, regex=None, grammar=None, logprobs=None,
-             response_format: dict | None = None, **template_kwargs: Any):
+             response_format: dict | None = None, thinking_budget: int | None = None, **template_kwargs: Any):
         """The model's reply to the conversation ``messages``: the text (or a `Stream` of pieces);
         with ``tools``, ``tool_choice``, ``thinking`` or ``structured=True``, a `ChatReply` (content,
         reasoning, tool calls, finish reason, logprobs), or a `Stream` of `chat.parser` events.
@@ -322,7 +326,10 @@ class ChatSession:
         ``parallel_tool_calls=False``: one call at most; ``thinking``: let the model think first
         (off by default). ``json_schema`` / ``regex`` / ``grammar`` and ``logprobs`` as in
         `Model.generate_tokens` (a constraint of its own does not go with tools); ``response_format``:
-        OpenAI's (``json_object`` / ``json_schema``), beside tools with "auto" (that JSON or calls)."""
+        OpenAI's (``json_object`` / ``json_schema``), beside tools with "auto" (that JSON or calls).
+        ``thinking_budget``: at most this many thought tokens in the reply (the ``<|channel>`` ...
+        ``<channel|>`` span, its name ``thought\n`` included): then the thought is closed and the
+        answer begins (`runtime.budget`); it turns ``thinking`` on unless that is given."""
         m = self.model
         messages = content.messages_content(inputs.messages(messages))  # OpenAI's parts too; none dropped
         max_new_tokens, params = m._options(max_new_tokens, truncate, stream, temperature, top_k, top_p, min_p,
@@ -331,8 +338,11 @@ class ChatSession:
         top = logprobs_option(logprobs)
         stop_sets(stop, m.defaults, None, chat=True)  # checked before the template runs
         gram = m.constraint(json_schema, regex, grammar)
+        if thinking_budget is not None:
+            ThoughtBudget.of(m.tokenizer, thinking_budget)  # checked at the call
+            thinking = True if thinking is None else thinking
         structured = inputs.flag(structured, "structured") or tools is not None or tool_choice is not None \
-            or thinking is not None or response_format is not None
+            or thinking is not None or response_format is not None or thinking_budget is not None
         if not structured:
             ids = history.chat_ids(m.tokenizer, messages, **template_kwargs)
             return m.text(None, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
@@ -358,7 +368,7 @@ class ChatSession:
         return m.reply(None, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
                        params=params, tools=calls, max_calls=None if parallel else 1, session=self,
                        images=message_images(messages), audio=message_audio(messages), drafts=drafts, grammar=gram,
-                       logprobs=top)
+                       logprobs=top, thinking_budget=thinking_budget)
 
     def replying(self, run: Callable[[KVState], Iterator[Any]]) -> Iterator[Any]:
         """``run(state)``'s items, on the conversation's state when no other reply holds it (held

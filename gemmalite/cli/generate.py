@@ -163,6 +163,15 @@ def _structured(model) -> bool:
     return ChatTokens.find(model.tokenizer) is not None
 
 
+def _thinks(a: argparse.Namespace) -> bool:
+    return a.think or a.think_budget is not None
+
+
+def _think_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """--think / --think-budget N as `Model.chat` options (a budget turns thinking on)."""
+    return {"thinking": _thinks(a), "thinking_budget": a.think_budget}
+
+
 def _user(text: str, images: list[str], audio: list[str] = ()) -> dict[str, Any]:
     """A user message; with images or audio, in the content-part form (pictures, then clips, then the text)."""
     if not images and not audio:
@@ -181,8 +190,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"gemmalite: {a.model} has no chat template (a base model): continuing the prompt as plain text",
               file=sys.stderr)
     t0 = time.perf_counter()
-    if use_chat and (a.think or _structured(model)):
-        pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, thinking=a.think, **kw)
+    if use_chat and (_thinks(a) or _structured(model)):
+        pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, **_think_kwargs(a), **kw)
         _, stopped = stream_reply(pieces)
     else:
         pieces = model.chat([_user(a.prompt, a.image, a.audio)], stream=True, **kw) if use_chat else \
@@ -210,7 +219,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     print("gemmalite chat: type a message; /image PATH attaches a picture to the next one, /audio PATH a sound clip, "
           "/reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     prompt = "> " if sys.stdin.isatty() else ""
-    structured = a.think or _structured(model)
+    structured = _thinks(a) or _structured(model)
     while True:
         try:
             line = input(prompt)
@@ -236,7 +245,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         images, audio = [], []
         try:
             if structured:  # the thought apart from the answer (and out of the history: the template drops it)
-                reply, stopped = stream_reply(model.chat(messages, stream=True, thinking=a.think, **kw))
+                reply, stopped = stream_reply(model.chat(messages, stream=True, **_think_kwargs(a), **kw))
                 answer = reply.content
             else:
                 answer, stopped = stream_out(model.chat(messages, stream=True, **kw))
@@ -247,6 +256,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": answer})
         if stopped:  # a step may have been cut halfway: the next turn re-reads the conversation
             model.reset_chat()
+
+
+def _budget_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--think-budget", type=int, default=None, metavar="N",
+                   help="think (as --think) for at most N tokens: then the thought is closed and the answer begins")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -261,6 +275,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a sound clip for the prompt: WAV, FLAC, OGG or MP3 (repeatable; needs a checkpoint with an audio tower)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--think", action="store_true", help="let the model think first (Gemma 4); the thought goes to stderr")
+    _budget_arg(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -268,5 +283,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     load_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--think", action="store_true", help="let the model think first (Gemma 4); thoughts show apart, on stderr")
+    _budget_arg(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)

@@ -13,6 +13,7 @@ from ..errors import ContextError, InputError, NumericalError
 from ..kernels import common
 from ..tokenizer import Tokenizer
 from . import inputs
+from .budget import ThoughtBudget
 from .cache import KVState
 from .constrain import Matcher
 from .drafting import DraftPolicy, Drafter
@@ -120,7 +121,8 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
                  prompt_lookup: int = 0, matcher: Matcher | None = None, logprobs: int | None = None,
-                 drafter: Drafter | None = None, policy: DraftPolicy | None = None) -> Iterator[int]:
+                 drafter: Drafter | None = None, policy: DraftPolicy | None = None,
+                 budget: ThoughtBudget | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
     prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
     ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
@@ -143,7 +145,10 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     ``drafter`` (an MTP drafter, `runtime.drafting.Drafter`): where prompt lookup finds no
     drafts, the drafter's are verified the same way, as many as `DraftPolicy` finds pay under
     the acceptance and step costs measured in this call (none, with a rare probe, where they
-    do not; ``policy``: another `DraftPolicy`)."""
+    do not; ``policy``: another `DraftPolicy`).
+
+    ``budget`` (a fresh `ThoughtBudget`): once the reply's thoughts have spent it, the open
+    thought's end is the only token allowed."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
     reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
     if not state.truncate(reuse):
@@ -169,7 +174,12 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         masks = matcher.masks(drafts, rows.shape[1]) if matcher is not None else None
         for i, logits in enumerate(rows):
             _check_finite(logits, stats.new_tokens)
-            tok = sampler(logits, history, None if masks is None else masks[i])
+            allowed = None if masks is None else masks[i]
+            if budget is not None:
+                allowed = budget.mask(allowed, logits.shape[0])
+            tok = sampler(logits, history, allowed)
+            if budget is not None:
+                budget.push(tok)
             if tok in stop_ids:
                 stats.finish_reason = "stop"
                 return
@@ -324,6 +334,7 @@ class TextCutter:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it
 
     def push(self, token: int) -> str:
         return self.feed(self.stream.push(token))
@@ -341,6 +352,7 @@ class TextCutter:
     def _emit(self, final: bool) -> str:
         cut = _first_stop(self.pending, self.stops)
         if cut >= 0:
+            self.matched = next(s for s in self.stops if self.pending.startswith(s, cut))
             out, self.pending, self.stopped = self.pending[:cut], "", True
             return out
         n = len(self.pending) - (0 if final else self.hold)

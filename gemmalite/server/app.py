@@ -36,6 +36,7 @@ from ..runtime.engine import SoftTokens
 from ..runtime.generate import PROMPT_LOOKUP_DRAFTS, prompt_lookup_drafts, stop_sets
 from ..vision.prompt import message_images
 from . import chat_format
+from .anthropic import Messages
 from .constraints import LogprobFormat, read_logprobs, read_n, read_response_format
 from .metrics import Metrics
 from .ollama import ollama_routes
@@ -122,12 +123,14 @@ class Server:
 
     # -- request plumbing ---------------------------------------------------------------
     def check_key(self, request: Request) -> None:
+        """The key as a bearer token (OpenAI's clients) or ``x-api-key`` (Anthropic's)."""
         if self.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key):
-            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        keys = [given.strip()] if scheme.lower() == "bearer" else []
+        keys += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+        if not keys or not all(hmac.compare_digest(k.encode(), self.api_key) for k in keys):
+            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            code="invalid_api_key")
 
     async def read_body(self, request: Request, limit: int) -> bytes:
@@ -601,6 +604,7 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
     """The Starlette app serving ``model`` (and ``embedder``); ``ui``: the chat page at ``/``;
     options go to `Server`."""
     srv = Server(model, embedder, **options)
+    messages = Messages(srv)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -625,6 +629,8 @@ def build_app(model, embedder=None, *, ui: bool = True, **options: Any) -> Starl
         srv.route("/v1/completions", srv.completions, ["POST"]),
         srv.route("/v1/embeddings", srv.embeddings, ["POST"]),
         *audio_routes(srv),
+        srv.route("/v1/messages", messages.create, ["POST"], auth=False),  # (Messages checks the key itself)
+        srv.route("/v1/messages/count_tokens", messages.count_tokens, ["POST"], auth=False),
         srv.route("/v1/models", srv.models, ["GET"]),
         srv.route("/v1/capabilities", srv.capabilities, ["GET"]),
         srv.route("/v1/models/{name:path}", srv.model_card, ["GET"]),

@@ -290,6 +290,12 @@ def part_errors() -> Iterator[None]:
         raise bad(str(e), e.where, e.code) from None
 
 
+def inline_bytes(payload: str | bytes, where: str, limit: int, noun: str, encoded: str, kind: str) -> bytes:
+    """Media sent inline, size-checked (`chat.content.inline_bytes`); errors are 400s."""
+    with part_errors():
+        return content.inline_bytes(payload, where, limit, noun, encoded, kind)
+
+
 def image_bytes(image_url: Any, where: str, limits: Limits) -> bytes:
     """The picture of an ``image_url`` part (`chat.content.image_url_bytes`); errors are 400s."""
     with part_errors():

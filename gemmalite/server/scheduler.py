@@ -30,7 +30,9 @@ row per draft too) are computed in one llguidance batch call, with the GIL relea
 worker thread while the engine runs the step; its drafts are the tokens the grammar forces,
 else its prompt-lookup drafts cut where the grammar refuses them. An unconstrained sequence
 is sampled exactly as before. ``logprobs``: each token's `TokenLogprob` rides on the `Piece`
-that carries its text (those not yet sent, on the `Finish`).
+that carries its text (those not yet sent, on the `Finish`). ``thinking_budget``: once the
+sequence's thoughts have spent it, the open thought's end is the only token allowed
+(`runtime.budget`), row by row like a grammar's mask.
 
 ``drain(grace)`` (a graceful shutdown) refuses new sequences (`ShuttingDown`) and cancels what
 still runs or waits once ``grace`` seconds have passed.
@@ -53,6 +55,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..kernels.common import FEW_ROWS
+from ..runtime.budget import ThoughtBudget
 from ..runtime.drafting import DraftPolicy
 from ..runtime.engine import SoftTokens
 from ..runtime.constrain import Matcher, fill_masks
@@ -124,10 +127,12 @@ class Sequence:
     matcher: Matcher | None = None  # a grammar's (constrained decoding); one per sequence
     logprobs: int | None = None  # report each token's logprob and this many top ones (None: off)
     output: Callable[[], Any] | None = None  # makes the reader of the tokens (default: `TextReader`)
+    thinking_budget: int | None = None  # thought tokens allowed before <channel|> is forced (`runtime.budget`)
     # filled in by the scheduler
     state: Any = None
     sampler: Sampler | None = None
     reader: Any = None
+    thought: ThoughtBudget | None = None
     history: list[int] = field(default_factory=list)
     next_token: int = -1
     generated: int = 0
@@ -343,6 +348,7 @@ class Scheduler:
         seq.sampler = Sampler(seq.params)
         seq.reader = seq.output() if seq.output is not None else TextReader(self.tokenizer, seq.stop_strings)
         seq.history = list(seq.ids)
+        seq.thought = ThoughtBudget.of(self.tokenizer, seq.thinking_budget) if seq.thinking_budget is not None else None
         seq.policy = DraftPolicy(timed=False) if self.drafter is not None else None
         if seq.max_tokens <= 0:
             self._finish(seq, "length")
@@ -539,8 +545,13 @@ class Scheduler:
                 allowed: np.ndarray | None = None) -> bool:
         """Sample the next token from ``logits``; emit its text or finish the sequence. ``length``:
         the tokens the state holds before this one (default all: no drafts after it). False when
-        the sequence is done. ``allowed``: the grammar's mask (a constrained sequence)."""
+        the sequence is done. ``allowed``: the grammar's mask (a constrained sequence); a spent
+        thinking budget narrows it to the thought's end."""
+        if seq.thought is not None:
+            allowed = seq.thought.mask(allowed, logits.shape[0])
         tok = seq.sampler(logits, seq.history, allowed)
+        if seq.thought is not None:
+            seq.thought.push(tok)
         if tok in seq.stop_ids:
             self._finish(seq, "stop")
             return False
