@@ -14,6 +14,7 @@ from ..kernels import common
 from ..tokenizer import Tokenizer
 from . import inputs
 from .cache import KVState
+from .checkpoints import Markers, prefill_head
 from .constrain import Matcher
 from .drafting import DraftPolicy, Drafter
 from .engine import Engine, SoftTokens
@@ -120,10 +121,14 @@ def fit_prompt(ids: np.ndarray, context: int, max_new_tokens: int, truncate: boo
 def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
                  prompt_lookup: int = 0, matcher: Matcher | None = None, logprobs: int | None = None,
-                 drafter: Drafter | None = None, policy: DraftPolicy | None = None) -> Iterator[int]:
+                 drafter: Drafter | None = None, policy: DraftPolicy | None = None,
+                 checkpoints: Markers | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
-    prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
-    ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
+    prefix, or the prefix up to its newest checkpoint before that where its sliding rings cannot
+    roll back so far: `KVState.rollback`), then decode token by token. ``soft``: rows of ``ids``
+    given as embeddings (images); they match a cached prefix only by their keys. ``checkpoints``
+    (a conversation's turns; `checkpoints.marker_ids`): the prefill stops where the prompt's last
+    turn starts (`checkpoints.split_points`) and at its end for a `KVState.checkpoint` (None: none).
 
     ``prompt_lookup`` > 0: prompt-lookup decoding with up to that many draft tokens per step
     (at most ``FEW_ROWS - 1``, so a step reads each weight once): the tokens that followed the
@@ -145,10 +150,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     the acceptance and step costs measured in this call (none, with a rare probe, where they
     do not; ``policy``: another `DraftPolicy`)."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
-    reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
-    if not state.truncate(reuse):
-        state.reset()
-        reuse = 0
+    reuse = state.rollback(min(common_prefix(state.tokens, keys), len(ids) - 1))  # the last token must run
     sampler = Sampler(params)
     history = ids.tolist()
     stats.prompt_tokens, stats.cached_tokens = len(ids), reuse
@@ -156,7 +158,10 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    hidden = engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None)
+    start = prefill_head(engine, state, ids, checkpoints, soft) if checkpoints is not None else reuse
+    hidden = engine.prefill(state, ids[start:], soft.after(start) if soft is not None else None)
+    if checkpoints is not None:
+        state.checkpoint()
     rows = engine.logits(hidden)
     stats.prefill_s = time.perf_counter() - t0
     if logprobs is not None:

@@ -1,0 +1,81 @@
+"""Where a conversation's KV state is checkpointed: the prefill of a prompt stops at the last
+turn's markup and at its end, and `KVState.checkpoint` copies the sliding rings there.
+
+A chat template re-renders the last reply otherwise than the tokens the model generated
+(Gemma 4: the generation prompt's empty thought ``<|channel>thought\\n<channel|>`` is not in the
+history, thoughts of earlier turns are dropped, a tool call is followed by its response in the
+same turn), so the next prompt shares with the state a prefix that ends where the last reply
+began or a few tokens before: further back than a sliding ring can roll back. Checkpoints where
+the prompt's last turn starts (its marker, the end of its ``<|turn>model\n`` header), at its last
+thought channel (the generation prompt's empty thought) and at its end put one at or just before
+every such common prefix; `KVState.rollback` then restores it and the next turn runs only the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..tokenizer import Tokenizer
+from .cache import KVState
+from .engine import Engine, SoftTokens
+
+TURN_MARKERS = ("<|turn>", "<start_of_turn>")  # Gemma 4's, Gemma 3's turn start ("<|turn>model\n")
+OTHER_MARKERS = ("<|channel>",)  # Gemma 4's thought channel (the generation prompt's empty thought)
+HEADER_MAX = 4  # tokens of a turn's header after its marker: the role, then the newline
+
+
+@dataclass(frozen=True)
+class Markers:
+    """The token ids a prompt's prefill stops at (`marker_ids`)."""
+
+    turns: frozenset[int] = frozenset()
+    others: frozenset[int] = frozenset()
+    newline: int | None = None
+
+
+def marker_ids(tokenizer: Tokenizer | None) -> Markers:
+    """The ids of the markers ``tokenizer`` has (none without a tokenizer)."""
+    if tokenizer is None:
+        return Markers()
+
+    def ids(names: tuple[str, ...]) -> frozenset[int]:
+        return frozenset(t for s in names if (t := tokenizer.token_id(s)) is not None)
+
+    return Markers(ids(TURN_MARKERS), ids(OTHER_MARKERS), tokenizer.token_id("\n"))
+
+
+def split_points(ids: np.ndarray, markers: Markers) -> list[int]:
+    """The positions (not 0, before the prompt's end) where a prefill of ``ids`` stops for a
+    checkpoint, ascending: the last turn marker and the end of that turn's header (its newline,
+    within HEADER_MAX tokens), and the last occurrence of each other marker."""
+    arr = np.asarray(ids)
+    points = set()
+    for m in markers.turns | markers.others:
+        hits = np.flatnonzero(arr == m)
+        if not hits.size:
+            continue
+        p = int(hits[-1])
+        points.add(p)
+        if m in markers.turns and markers.newline is not None:
+            nl = np.flatnonzero(arr[p + 1 : p + 1 + HEADER_MAX] == markers.newline)
+            if nl.size:
+                points.add(p + 2 + int(nl[0]))
+    return sorted(q for q in points if 0 < q < len(arr))
+
+
+def prefill_head(engine: Engine, state: KVState, ids: np.ndarray, markers: Markers,
+                 soft: SoftTokens | None = None) -> int:
+    """Run the prompt ``ids`` from ``state.length`` up to its last split point, in pieces, keeping
+    a checkpoint at each split point (those before ``state.length`` count as just used: they
+    are what the next turn needs too); returns where the rest starts (``state.length``). The
+    caller runs the rest, then calls ``state.checkpoint()`` at the prompt's end."""
+    for p in split_points(ids, markers):
+        a = state.length
+        if p < a:
+            state.touch(p)
+            continue
+        if p > a:
+            engine.prefill(state, ids[a:p], soft.after(a, p) if soft is not None else None)
+        state.checkpoint()
+    return state.length
