@@ -1,0 +1,110 @@
+"""A conversation's KV cache across turns (`ChatSession`): the tiny random Gemma 4 (sliding window
+16, far shorter than a turn) with the real tokenizer and both revisions of the chat template
+(the GGUF's, tests/data's), four-turn tool loops with and without thinking. Each turn after the
+first is served from the previous turn's state at least up to where the re-rendered history
+leaves the previous prompt, and every reply is a fresh session's, token for token."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from chat_data import CURRENT_TEMPLATE
+
+from gemmalite.chat import chat_ids, check_tools
+from gemmalite.runtime.checkpoints import marker_ids, split_points
+from gemmalite.runtime.generate import common_prefix
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+TURNS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, gl):
+    from gemmalite.tools.synth import synth
+
+    return gl.load(synth("tiny", tmp_path_factory.mktemp("tiny"), progress=False), context=512)
+
+
+def templated(model, template: str):
+    """``model`` with the GGUF's chat template (its own) or the current revision (tests/data)."""
+    if template == "gguf":
+        return model
+    m, tok = copy.copy(model), copy.copy(model.tokenizer)
+    tok.chat_template, tok._template = CURRENT_TEMPLATE.read_text(), None
+    m._tokenizer = tok
+    return m
+
+
+def options(turn: int, thinking: bool) -> dict:
+    return dict(tools=TOOLS, tool_choice="required" if turn % 2 == 0 else "auto", thinking=thinking,
+                max_new_tokens=16, temperature=0)
+
+
+def next_messages(messages: list[dict], reply, turn: int) -> list[dict]:
+    """The history for the next turn: the reply, then the tools' results when it called any (a
+    thinking reply that only thought is given a call on even turns, so both modes loop through
+    tools), else a new user message."""
+    msg = reply.message()
+    if not reply.tool_calls and turn % 2 == 0:
+        msg["tool_calls"] = [{"id": f"c{turn}", "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    out = messages + [msg]
+    if msg.get("tool_calls"):
+        return out + [{"role": "tool", "tool_call_id": c["id"], "content": json.dumps({"temp": 18 + turn})}
+                      for c in msg["tool_calls"]]
+    return out + [{"role": "user", "content": f"And on day {turn}?"}]
+
+
+def reply_tokens(reply) -> tuple:
+    return (reply.content, reply.reasoning, [(c.name, c.arguments) for c in reply.tool_calls], reply.finish_reason,
+            reply.stats.new_tokens)
+
+
+@pytest.mark.parametrize("template", ["gguf", "current"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_loop_turns_are_served_from_the_cache(tiny, template, thinking):
+    m = templated(tiny, template)
+    session = m.session()
+    messages, prev, calls = list(START), None, 0
+    for turn in range(TURNS):
+        ids = chat_ids(m.tokenizer, messages, tools=check_tools(TOOLS), thinking=thinking)
+        want = m.session().chat(messages, **options(turn, thinking))  # a fresh session: the oracle
+        got = session.chat(messages, **options(turn, thinking))
+        assert reply_tokens(got) == reply_tokens(want)
+        assert got.stats.prompt_tokens == len(ids)
+        if prev is not None:  # all of the previous prompt that the new one keeps
+            assert got.stats.cached_tokens >= common_prefix(prev, ids) > 0
+        state = session.state
+        assert state.checkpoints and state.checkpoint_nbytes <= state.checkpoint_budget
+        calls += bool(got.tool_calls)
+        prev, messages = ids, next_messages(messages, got, turn)
+    assert calls or thinking  # the loop went through the model's own calls
+
+
+def test_a_checkpoint_lies_at_or_before_where_the_history_leaves_the_prompt(tiny):
+    """On the real template, for generated replies of each kind (text, a call, with a thought):
+    a split point of the prompt lies at or before the common prefix of the state's tokens (prompt
+    and reply) with the next prompt, and at most a turn header (3 tokens) before it, or the next
+    prompt keeps the whole prompt (the prompt's end is one)."""
+    tok = templated(tiny, "current").tokenizer
+    markers = marker_ids(tok)
+    for thinking in (False, True):
+        thought = "<|channel>thought\nhmm\n<channel|>" if thinking else ""
+        first = chat_ids(tok, START, tools=check_tools(TOOLS), thinking=thinking)
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        history = START + [{"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "hmm"},
+                           {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 18}'}]
+        second = chat_ids(tok, history, tools=check_tools(TOOLS), thinking=thinking)
+        third = chat_ids(tok, history + [{"role": "assistant", "content": "It is 18.", "reasoning_content": "ok"},
+                                         {"role": "user", "content": "And Rome?"}],
+                         tools=check_tools(TOOLS), thinking=thinking)
+        generated = [(first, thought + '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', second),
+                     (second, thought + "It is 18.", third)]
+        for prompt, reply, following in generated:
+            state = prompt + tok.encode(reply, add_special_tokens=False)
+            shared = common_prefix(state, following)
+            best = max(p for p in [*split_points(prompt, markers), len(prompt)] if p <= shared)
+            assert shared - best <= 3 or best == len(prompt), (thinking, tok.decode(state[best:shared]))
