@@ -6,19 +6,14 @@ leaves the previous prompt, and every reply is a fresh session's, token for toke
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 from chat_data import CURRENT_TEMPLATE
+from tool_loop import START, TOOLS, TURNS, next_messages, options
 
 from gemmalite.chat import chat_ids, check_tools
 from gemmalite.runtime.checkpoints import marker_ids, split_points
 from gemmalite.runtime.generate import common_prefix
-
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
-START = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
-TURNS = 4
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +31,6 @@ def templated(model, template: str):
     tok.chat_template, tok._template = CURRENT_TEMPLATE.read_text(), None
     m._tokenizer = tok
     return m
-
-
-def options(turn: int, thinking: bool) -> dict:
-    return dict(tools=TOOLS, tool_choice="required" if turn % 2 == 0 else "auto", thinking=thinking,
-                max_new_tokens=16, temperature=0)
-
-
-def next_messages(messages: list[dict], reply, turn: int) -> list[dict]:
-    """The history for the next turn: the reply, then the tools' results when it called any (a
-    thinking reply that only thought is given a call on even turns, so both modes loop through
-    tools), else a new user message."""
-    msg = reply.message()
-    if not reply.tool_calls and turn % 2 == 0:
-        msg["tool_calls"] = [{"id": f"c{turn}", "type": "function",
-                              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
-    out = messages + [msg]
-    if msg.get("tool_calls"):
-        return out + [{"role": "tool", "tool_call_id": c["id"], "content": json.dumps({"temp": 18 + turn})}
-                      for c in msg["tool_calls"]]
-    return out + [{"role": "user", "content": f"And on day {turn}?"}]
 
 
 def reply_tokens(reply) -> tuple:
