@@ -64,18 +64,32 @@ def split_points(ids: np.ndarray, markers: Markers) -> list[int]:
     return sorted(q for q in points if 0 < q < len(arr))
 
 
-def prefill_head(engine: Engine, state: KVState, ids: np.ndarray, markers: Markers,
-                 soft: SoftTokens | None = None) -> int:
-    """Run the prompt ``ids`` from ``state.length`` up to its last split point, in pieces, keeping
-    a checkpoint at each split point (those before ``state.length`` count as just used: they
-    are what the next turn needs too); returns where the rest starts (``state.length``). The
-    caller runs the rest, then calls ``state.checkpoint()`` at the prompt's end."""
-    for p in split_points(ids, markers):
-        a = state.length
-        if p < a:
-            state.touch(p)
-            continue
-        if p > a:
-            engine.prefill(state, ids[a:p], soft.after(a, p) if soft is not None else None)
-        state.checkpoint()
-    return state.length
+def prefill_heads(engine: Engine, states: list[KVState], prompts: list[np.ndarray], markers: Markers,
+                  soft: list[SoftTokens | None] | None = None) -> None:
+    """Run each prompt from its state's length up to its last split point, in pieces, keeping a
+    checkpoint at each split point (those before where a prompt starts count as used again: the
+    next turn needs them too). Round by round, every prompt's next piece runs in one
+    `Engine.prefill_many` (alone with ``soft`` rows: pictures). The caller runs the rest of each
+    prompt (from ``state.length``), then calls ``state.checkpoint()`` at the prompt's end."""
+    soft = soft or [None] * len(states)
+    todo = [(st, ids, sf, split_points(ids, markers)) for st, ids, sf in zip(states, prompts, soft)]
+    while True:
+        batch = []
+        for st, ids, sf, points in todo:
+            while points and points[0] <= st.length:
+                p = points.pop(0)
+                if p == st.length:
+                    st.checkpoint()
+                else:
+                    st.touch(p)
+            if points:
+                a, b = st.length, points[0]
+                batch.append((st, ids[a:b], sf.after(a, b) if sf is not None else None))
+        if not batch:
+            return
+        plain = [b for b in batch if b[2] is None]
+        if len(plain) > 1:
+            engine.prefill_many([b[0] for b in plain], [b[1] for b in plain])
+        for st, piece, sf in batch:
+            if sf is not None or len(plain) <= 1:
+                engine.prefill(st, piece, sf)

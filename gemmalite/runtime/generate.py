@@ -14,7 +14,7 @@ from ..kernels import common
 from ..tokenizer import Tokenizer
 from . import inputs
 from .cache import KVState
-from .checkpoints import Markers, prefill_head
+from .checkpoints import Markers, prefill_heads
 from .constrain import Matcher
 from .drafting import DraftPolicy, Drafter
 from .engine import Engine, SoftTokens
@@ -158,7 +158,9 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    start = prefill_head(engine, state, ids, checkpoints, soft) if checkpoints is not None else reuse
+    if checkpoints is not None:
+        prefill_heads(engine, [state], [ids], checkpoints, [soft])
+    start = state.length
     hidden = engine.prefill(state, ids[start:], soft.after(start) if soft is not None else None)
     if checkpoints is not None:
         state.checkpoint()

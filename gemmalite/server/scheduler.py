@@ -9,13 +9,13 @@ decode step computes the next token of every active sequence
 went away (``cancel()``) is dropped at the next step and its KV state goes back to a prefix
 cache (a byte budget, least recently used out first): a later request that starts with the same
 tokens (a multi-turn chat resent whole) takes that state and runs only its new tokens. A prompt
-is prefilled in pieces that end where its last turn starts (`runtime.checkpoints`), each state
-keeping checkpoints of its sliding rings there and at the prompt's end, so the next turn of a
-conversation, whose template re-renders the last reply, rolls back to one (`KVState.rollback`)
-instead of starting over: the pieces before the last run alone, the last joins the others'. Requests that start alike at the same
-time share too: a new request whose first SHARE_MIN+ tokens match a running sequence's, or
-another new request's, copies that state (`KVState.clone`) after it is computed and runs only
-the rest; the same prompt again takes the other's first logits as well, so a burst of one
+is prefilled in pieces that end where its last turn starts (`runtime.checkpoints`; new prompts
+run their pieces together, round by round), each state keeping checkpoints of its sliding rings
+there and at the prompt's end, so the next turn of a conversation, whose template re-renders the
+last reply, rolls back to one (`KVState.rollback`) instead of starting over. Requests that start
+alike at the same time share too: a new request whose first SHARE_MIN+ tokens match a running
+sequence's, or another new request's, copies that state (`KVState.clone`) after it is computed
+and runs only the rest; the same prompt again takes the other's first logits as well, so a burst of one
 prompt costs one prefill. An idle scheduler woken by a request waits a few milliseconds while
 more arrive (`_gather`), so that clients who start together start in one prefill.
 
@@ -53,7 +53,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..kernels.common import FEW_ROWS
-from ..runtime.checkpoints import marker_ids, prefill_head
+from ..runtime.checkpoints import marker_ids, prefill_heads
 from ..runtime.drafting import DraftPolicy
 from ..runtime.engine import SoftTokens
 from ..runtime.constrain import Matcher, fill_masks
@@ -389,14 +389,17 @@ class Scheduler:
     def _prefill_group(self, seqs: list[Sequence]) -> None:
         """Prefill ``seqs``' new tokens and sample each one's first token. Plain-token prompts that
         fit go through the engine together (`Engine.prefill_many`: each weight read once for all
-        of them, each result its solo one); pictures, and prompts that would not fit (the
-        engine's error then ends only that request), run alone."""
-        for seq in list(seqs):  # each prompt up to its last split point, alone, checkpointed
-            try:
-                prefill_head(self.engine, seq.state, np.asarray(seq.ids, dtype=np.int64), self.markers, seq.soft)
-            except Exception as e:
-                seqs = [s for s in seqs if s is not seq]
+        of them, each result its solo one), first up to each one's last split point (checkpoints,
+        `runtime.checkpoints.prefill_heads`), then the rest; pictures, and prompts that would not
+        fit (the engine's error then ends only that request), run alone."""
+        fit = [s for s in seqs if len(s.ids) <= s.state.context]
+        try:  # each prompt up to its last split point, checkpointed (pieces together, round by round)
+            prefill_heads(self.engine, [s.state for s in fit], [np.asarray(s.ids, dtype=np.int64) for s in fit],
+                          self.markers, [s.soft for s in fit])
+        except Exception as e:  # their states may be half written: none goes back to the cache
+            for seq in fit:
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            seqs = [s for s in seqs if s not in fit]
         together = [s for s in seqs if s.soft is None and len(s.ids) <= s.state.context]
         if len(together) > 1:
             try:

@@ -222,3 +222,32 @@ def test_rollback_to_a_checkpoint_gives_the_bits_of_the_state_never_rolled_back(
     assert [c.position for c in state.checkpoints] == [37, 90, 91]
     np.testing.assert_array_equal(eng.logits(eng.prefill(state, ids[91:])), want)
     assert_same_state(state, straight)
+
+
+def test_prompts_prefilled_together_in_pieces_get_their_solo_bits(tiny_path, gl):
+    """`prefill_heads` of two chat prompts in one call (each round one `prefill_many`) leaves each
+    state, its checkpoints and its last logits as the prompt alone would."""
+    from gemmalite.chat import chat_ids
+    from gemmalite.runtime.checkpoints import marker_ids, prefill_heads, split_points
+
+    model = gl.load(tiny_path, context=256)
+    eng, markers = model.engine, marker_ids(model.tokenizer)
+    prompts = [np.array(chat_ids(model.tokenizer, [{"role": "system", "content": s}, {"role": "user", "content": u}]))
+               for s, u in (("Be brief.", "Weather in Paris?"), ("Answer in French, and in full sentences.", "Hi"))]
+
+    def run(states, ids_list):
+        prefill_heads(eng, states, ids_list, markers)
+        return [eng.logits(eng.prefill(st, ids[st.length:])) for st, ids in zip(states, ids_list)]
+
+    alone = [eng.new_state() for _ in prompts]
+    want = [run([st], [ids])[0] for st, ids in zip(alone, prompts)]
+    together = [eng.new_state() for _ in prompts]
+    got = run(together, prompts)
+    for g, w, a, t, ids in zip(got, want, alone, together, prompts):
+        np.testing.assert_array_equal(g, w)
+        assert_same_state(t, a)
+        assert [c.position for c in t.checkpoints] == split_points(ids, markers) and len(t.checkpoints) >= 2
+        for c, d in zip(t.checkpoints, a.checkpoints):
+            for i in c.rings:
+                for x, y in zip(c.rings[i], d.rings[i]):
+                    np.testing.assert_array_equal(x, y)
