@@ -291,7 +291,9 @@ class Completion:
 
 
 class ChatSession:
-    """One conversation: its KV state is reused across turns for the common token prefix.
+    """One conversation: its KV state is reused across turns for the common token prefix (where
+    a sliding layer's cache cannot roll back so far, from its newest checkpoint before it: the
+    state keeps some where each prompt's last turn starts and where it ends, `runtime.checkpoints`).
 
     The state serves one reply at a time, from the reply's first piece to its last (or until its
     stream is closed). A reply that starts while another still holds it -- a second stream

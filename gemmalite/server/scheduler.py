@@ -15,9 +15,10 @@ there and at the prompt's end, so the next turn of a conversation, whose templat
 last reply, rolls back to one (`KVState.rollback`) instead of starting over. Requests that start
 alike at the same time share too: a new request whose first SHARE_MIN+ tokens match a running
 sequence's, or another new request's, copies that state (`KVState.clone`) after it is computed
-and runs only the rest; the same prompt again takes the other's first logits as well, so a burst of one
-prompt costs one prefill. An idle scheduler woken by a request waits a few milliseconds while
-more arrive (`_gather`), so that clients who start together start in one prefill.
+and runs only the rest; the same prompt again takes the other's first logits as well, so a
+burst of one prompt costs one prefill. An idle scheduler woken by a request waits a few
+milliseconds while more arrive (`_gather`), so that clients who start together start in one
+prefill.
 
 A sequence may decode by prompt lookup (``lookup`` drafts per step, from the n-grams of its
 prompt and reply and of a predicted reply): its drafts join the batched step as extra rows,
