@@ -22,8 +22,8 @@ import numpy as np
 SPARE_SLOTS = 4  # extra slots per sliding ring: steps of up to SPARE_SLOTS + 1 tokens write in place, and
 # a step of up to SPARE_SLOTS + 2 tokens can roll back to any of its positions
 CHECKPOINTS = 4  # a state's default checkpoint budget: this many copies of its sliding rings (a
-# conversation's next turn needs those of its last prompt: its last turn's marker and header end,
-# its generation prompt's empty thought, its end)
+# conversation's next turn needs one of its last prompt's: its last turn's header end, its
+# generation prompt's empty thought, its end; or, in a tool loop, the current turn's header end)
 
 
 class KVRing:

@@ -6,9 +6,9 @@ A chat template re-renders the last reply otherwise than the tokens the model ge
 history, thoughts of earlier turns are dropped, a tool call is followed by its response in the
 same turn), so the next prompt shares with the state a prefix that ends where the last reply
 began or a few tokens before: further back than a sliding ring can roll back. Checkpoints where
-the prompt's last turn starts (its marker, the end of its ``<|turn>model\n`` header), at its last
-thought channel (the generation prompt's empty thought) and at its end put one at or just before
-every such common prefix; `KVState.rollback` then restores it and the next turn runs only the rest.
+the prompt's last turn starts (after its ``<|turn>model\n`` header), at its last thought channel
+(the generation prompt's empty thought) and at its end put one at every such common prefix;
+`KVState.rollback` then restores it and the next turn runs only the rest.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def marker_ids(tokenizer: Tokenizer | None) -> Markers:
 
 def split_points(ids: np.ndarray, markers: Markers) -> list[int]:
     """The positions (not 0, before the prompt's end) where a prefill of ``ids`` stops for a
-    checkpoint, ascending: the last turn marker and the end of that turn's header (its newline,
-    within HEADER_MAX tokens), and the last occurrence of each other marker."""
+    checkpoint, ascending: the end of the last turn's header (its newline within HEADER_MAX tokens
+    of the turn marker; the marker itself without one), and the last occurrence of each other
+    marker."""
     arr = np.asarray(ids)
     points = set()
     for m in markers.turns | markers.others:
@@ -56,11 +57,10 @@ def split_points(ids: np.ndarray, markers: Markers) -> list[int]:
         if not hits.size:
             continue
         p = int(hits[-1])
-        points.add(p)
         if m in markers.turns and markers.newline is not None:
             nl = np.flatnonzero(arr[p + 1 : p + 1 + HEADER_MAX] == markers.newline)
-            if nl.size:
-                points.add(p + 2 + int(nl[0]))
+            p += 2 + int(nl[0]) if nl.size else 0
+        points.add(p)
     return sorted(q for q in points if 0 < q < len(arr))
 
 
