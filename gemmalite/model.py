@@ -23,6 +23,7 @@ from .models.gemma.config import ModelConfig
 from .runtime import inputs
 from .runtime.budget import ThoughtBudget
 from .runtime.cache import KVState
+from .runtime.checkpoints import marker_ids
 from .runtime.constrain import Grammar, constraint
 from .runtime.drafting import Drafter
 from .runtime.engine import Engine, SoftTokens, place_blocks
@@ -128,12 +129,15 @@ class Model:
     def _token_stream(self, state: KVState, arr: np.ndarray, soft: SoftTokens | None, *, max_new_tokens: int,
                       params: SamplingParams, stop_ids: set[int], stats: GenerationStats, drafts: int = 0,
                       grammar: Grammar | None = None, logprobs: int | None = None,
-                      thinking_budget: int | None = None):
+                      thinking_budget: int | None = None, checkpoints: bool = False):
+        """`generate_ids` on ``state``; ``checkpoints`` (a conversation's state): checkpoint its
+        sliding rings where the prompt's last turn starts and where it ends (`runtime.checkpoints`)."""
         matcher = grammar.matcher(stop_ids) if grammar is not None else None
         budget = ThoughtBudget.of(self.tokenizer, thinking_budget) if thinking_budget is not None else None
+        marks = marker_ids(self._tokenizer) if checkpoints else None
         return generate_ids(self.engine, state, arr, max_new_tokens=max_new_tokens, params=params,
                             stop_ids=stop_ids, stats=stats, soft=soft, prompt_lookup=drafts, matcher=matcher,
-                            logprobs=logprobs, drafter=self.drafter, budget=budget)
+                            logprobs=logprobs, drafter=self.drafter, budget=budget, checkpoints=marks)
 
     def constraint(self, json_schema=None, regex=None, grammar=None) -> Grammar | None:
         """The compiled `Grammar` of a call's ``json_schema`` / ``regex`` / ``grammar`` options
@@ -232,7 +236,7 @@ class Model:
             def run(st: KVState) -> Iterator[str]:
                 tokens = self._token_stream(st, arr, soft, max_new_tokens=max_new_tokens, params=params,
                                             stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
-                                            logprobs=logprobs)
+                                            logprobs=logprobs, checkpoints=session is not None)
                 return text_pieces(tokens, self.tokenizer, stop_strings, stats)
 
             return run(state) if session is None else session.replying(run)
@@ -260,7 +264,8 @@ class Model:
             def run(st: KVState) -> Iterator[Any]:
                 tokens = self._token_stream(st, arr, soft, max_new_tokens=max_new_tokens, params=params,
                                             stop_ids=stop_ids, stats=stats, drafts=drafts, grammar=grammar,
-                                            logprobs=logprobs, thinking_budget=thinking_budget)
+                                            logprobs=logprobs, thinking_budget=thinking_budget,
+                                            checkpoints=session is not None)
                 return reply_events(tokens, parser, stats)
 
             return run(state) if session is None else session.replying(run)
@@ -291,7 +296,9 @@ class Completion:
 
 
 class ChatSession:
-    """One conversation: its KV state is reused across turns for the common token prefix.
+    """One conversation: its KV state is reused across turns for the common token prefix (where
+    a sliding layer's cache cannot roll back so far, from its newest checkpoint before it: the
+    state keeps some where each prompt's last turn starts and where it ends, `runtime.checkpoints`).
 
     The state serves one reply at a time, from the reply's first piece to its last (or until its
     stream is closed). A reply that starts while another still holds it -- a second stream

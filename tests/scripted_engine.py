@@ -8,31 +8,16 @@ from __future__ import annotations
 import numpy as np
 
 from gemmalite.errors import ContextError
+from gemmalite.runtime.cache import KVState
 
 HIGH = 100.0  # the scripted token's logit; every other is 0 (e^-50 at temperature 2: never drawn)
 
 
-class ScriptedState:
+class ScriptedState(KVState):
+    """A state with no K/V: it only counts tokens (truncates anywhere, keeps no checkpoints)."""
+
     def __init__(self, context: int):
-        self.context = context
-        self.length = 0
-        self.tokens: list[int] = []
-        self.nbytes = 0
-
-    def truncate(self, n: int) -> bool:
-        if n > self.length:
-            return False
-        self.length = n
-        del self.tokens[n:]
-        return True
-
-    def clone(self, n: int | None = None) -> "ScriptedState | None":
-        s = ScriptedState(self.context)
-        s.tokens, s.length = list(self.tokens), self.length
-        return s if s.truncate(self.length if n is None else n) else None
-
-    def reset(self) -> None:
-        self.truncate(0)
+        super().__init__({}, context)
 
 
 class ScriptedEngine:

@@ -28,7 +28,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S, metavar="SECONDS",
                    help="on SIGTERM / Ctrl-C, how long running requests may finish before they are cancelled "
                         f"(default {SHUTDOWN_GRACE_S:g})")
-    p.add_argument("--prefix-cache", type=int, default=4, help="finished KV states kept for prefix reuse")
+    p.add_argument("--prefix-cache", type=int, default=None, metavar="MIB",
+                   help="MiB of finished KV states (and their checkpoints) kept for prefix reuse, least recently "
+                        "used out first (default 1024; 0: none)")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="prompt-lookup decoding for requests that do not set 'prompt_lookup' themselves: same "
                         "output, faster on replies that quote the prompt")
@@ -74,8 +76,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     embedder = load_embedder(a.embedder) if a.embedder else None
     app = build_app(model, embedder, model_id=a.model_name or _name(a.model),
                     embedder_id=_name(a.embedder) if a.embedder else None, api_key=a.api_key,
-                    max_concurrency=a.max_concurrency, max_queue=a.max_queue, prefix_cache=a.prefix_cache,
-                    limits=limits, prompt_lookup=a.prompt_lookup, ui=a.ui)
+                    max_concurrency=a.max_concurrency, max_queue=a.max_queue, limits=limits,
+                    prompt_lookup=a.prompt_lookup, ui=a.ui,
+                    **({} if a.prefix_cache is None else {"prefix_cache": a.prefix_cache << 20}))
     # what loading left behind lives as long as the server: out of the cyclic collector's sight, its
     # full collections no longer walk it (they cost a request ~15-30 ms of its time to first token)
     gc.collect()

@@ -15,6 +15,7 @@ from ..tokenizer import Tokenizer
 from . import inputs
 from .budget import ThoughtBudget
 from .cache import KVState
+from .checkpoints import Markers, prefill_heads
 from .constrain import Matcher
 from .drafting import DraftPolicy, Drafter
 from .engine import Engine, SoftTokens
@@ -122,10 +123,13 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
                  stop_ids: set[int], stats: GenerationStats, soft: SoftTokens | None = None,
                  prompt_lookup: int = 0, matcher: Matcher | None = None, logprobs: int | None = None,
                  drafter: Drafter | None = None, policy: DraftPolicy | None = None,
-                 budget: ThoughtBudget | None = None) -> Iterator[int]:
+                 budget: ThoughtBudget | None = None, checkpoints: Markers | None = None) -> Iterator[int]:
     """Prefill what ``state`` does not already hold of ``ids`` (it keeps the longest common
-    prefix when its caches can roll back to it), then decode token by token. ``soft``: rows of
-    ``ids`` given as embeddings (images); they match a cached prefix only by their keys.
+    prefix, or the prefix up to its newest checkpoint before that where its sliding rings cannot
+    roll back so far: `KVState.rollback`), then decode token by token. ``soft``: rows of ``ids``
+    given as embeddings (images); they match a cached prefix only by their keys. ``checkpoints``
+    (a conversation's turns; `checkpoints.marker_ids`): the prefill stops where the prompt's last
+    turn starts (`checkpoints.split_points`) and at its end for a `KVState.checkpoint` (None: none).
 
     ``prompt_lookup`` > 0: prompt-lookup decoding with up to that many draft tokens per step
     (at most ``FEW_ROWS - 1``, so a step reads each weight once): the tokens that followed the
@@ -150,10 +154,7 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
     ``budget`` (a fresh `ThoughtBudget`): once the reply's thoughts have spent it, the open
     thought's end is the only token allowed."""
     keys = soft.keyed(ids) if soft is not None else ids.tolist()
-    reuse = min(common_prefix(state.tokens, keys), len(ids) - 1)  # the last token must run
-    if not state.truncate(reuse):
-        state.reset()
-        reuse = 0
+    reuse = state.rollback(min(common_prefix(state.tokens, keys), len(ids) - 1))  # the last token must run
     sampler = Sampler(params)
     history = ids.tolist()
     stats.prompt_tokens, stats.cached_tokens = len(ids), reuse
@@ -161,7 +162,12 @@ def generate_ids(engine: Engine, state: KVState, ids: np.ndarray, *, max_new_tok
         stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    hidden = engine.prefill(state, ids[reuse:], soft.after(reuse) if soft is not None else None)
+    if checkpoints is not None:
+        prefill_heads(engine, [state], [ids], checkpoints, [soft])
+    start = state.length
+    hidden = engine.prefill(state, ids[start:], soft.after(start) if soft is not None else None)
+    if checkpoints is not None:
+        state.checkpoint()
     rows = engine.logits(hidden)
     stats.prefill_s = time.perf_counter() - t0
     if logprobs is not None:

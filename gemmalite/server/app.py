@@ -44,7 +44,7 @@ from .protocol import (CHAT_ONLY, WARNING_HEADER, APIError, ClientGone, Generati
                        check_messages, completion_prompt, embedding_inputs, generation, opt_int, parse_json,
                        reject_unsupported, require_model)
 from .responses import Responses
-from .scheduler import Finish, Overloaded, Part, Piece, Scheduler, Sequence, ShuttingDown
+from .scheduler import PREFIX_CACHE_BYTES, Finish, Overloaded, Part, Piece, Scheduler, Sequence, ShuttingDown
 from .transcription import audio_routes
 from .ui import ui_routes
 
@@ -77,8 +77,8 @@ class Server:
     """Everything the routes share: the model, the scheduler, limits, metrics, the key."""
 
     def __init__(self, model, embedder=None, *, model_id: str = "gemmalite", embedder_id: str | None = None,
-                 api_key: str | None = None, max_concurrency: int = 8, max_queue: int = 64, prefix_cache: int = 4,
-                 limits: Limits | None = None, prompt_lookup: int | bool = 0):
+                 api_key: str | None = None, max_concurrency: int = 8, max_queue: int = 64,
+                 prefix_cache: int = PREFIX_CACHE_BYTES, limits: Limits | None = None, prompt_lookup: int | bool = 0):
         self.model = model
         self.tokenizer = model.tokenizer  # a server needs text: fail at start-up, not per request
         # a Gemma 4 vocabulary: chat replies are read apart (thought, calls); else they are plain text (Gemma 3)

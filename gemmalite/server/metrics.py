@@ -12,6 +12,8 @@ HELP = {
     "gemmalite_cancelled_total": ("counter", "generations cancelled, by cause (client_gone, shutdown, abandoned)"),
     "gemmalite_prompt_tokens_total": ("counter", "prompt tokens of admitted generations"),
     "gemmalite_cached_prompt_tokens_total": ("counter", "prompt tokens served from the prefix cache"),
+    "gemmalite_prefix_cache_hits_total": ("counter", "requests that took a state from the prefix cache"),
+    "gemmalite_prefix_cache_bytes": ("gauge", "bytes of K/V entries and checkpoints the prefix cache holds"),
     "gemmalite_completion_tokens_total": ("counter", "generated tokens"),
     "gemmalite_finished_total": ("counter", "generations ended, by reason (stop, length, cancelled, error)"),
     "gemmalite_decode_steps_total": ("counter", "batched decode steps"),

@@ -7,14 +7,19 @@ the others' prefills one after another) and samples each one's first token; then
 decode step computes the next token of every active sequence
 (`Engine.decode_batch`: each weight is read once for all of them). A sequence whose client
 went away (``cancel(cause)``) is dropped at the next step (a waiting one leaves the queue,
-unstarted) and its KV state goes back to a small
-prefix cache: a later request that starts with the same tokens (a multi-turn chat resent
-whole) takes that state and runs only its new tokens. Requests that start alike at the same
-time share too: a new request whose first SHARE_MIN+ tokens match a running sequence's, or
-another new request's, copies that state (`KVState.clone`) after it is computed and runs only
-the rest; the same prompt again takes the other's first logits as well, so a burst of one
-prompt costs one prefill. An idle scheduler woken by a request waits a few milliseconds while
-more arrive (`_gather`), so that clients who start together start in one prefill.
+unstarted) and its KV state goes back to a prefix
+cache (a byte budget, least recently used out first): a later request that starts with the same
+tokens (a multi-turn chat resent whole) takes that state and runs only its new tokens. A prompt
+is prefilled in pieces that end where its last turn starts (`runtime.checkpoints`; new prompts
+run their pieces together, round by round), each state keeping checkpoints of its sliding rings
+there and at the prompt's end, so the next turn of a conversation, whose template re-renders the
+last reply, rolls back to one (`KVState.rollback`) instead of starting over. Requests that start
+alike at the same time share too: a new request whose first SHARE_MIN+ tokens match a running
+sequence's, or another new request's, copies that state (`KVState.clone`) after it is computed
+and runs only the rest; the same prompt again takes the other's first logits as well, so a
+burst of one prompt costs one prefill. An idle scheduler woken by a request waits a few
+milliseconds while more arrive (`_gather`), so that clients who start together start in one
+prefill.
 
 A sequence may decode by prompt lookup (``lookup`` drafts per step, from the n-grams of its
 prompt and reply and of a predicted reply): its drafts join the batched step as extra rows,
@@ -56,6 +61,7 @@ import numpy as np
 
 from ..kernels.common import FEW_ROWS
 from ..runtime.budget import ThoughtBudget
+from ..runtime.checkpoints import marker_ids, prefill_heads
 from ..runtime.drafting import DraftPolicy
 from ..runtime.engine import SoftTokens
 from ..runtime.constrain import Matcher, fill_masks
@@ -69,6 +75,7 @@ GATHER_S = 0.005  # an idle scheduler woken by a request waits this long for mor
 GATHER_MAX = 0.03  # up to this long: a burst of clients then starts in one prefill, not the first one alone
 SHARE_MIN = 16  # prompt tokens another request must share with a new one to copy its state (a
 # shorter match, such as the chat template's first tokens, is cheaper to recompute in the batch)
+PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's default budget (`KVState.held_bytes` of its states)
 STEP_ROWS = 8  # prompt-lookup drafts stop where a decode step would exceed this many rows: a rejected
 # draft's row costs the whole batch once a step is bound by multiply-adds (from ~4 rows on). Through
 # the server on Gemma 3 270M (BENCHMARKS.md), 16 made 4 streams slower than plain decoding; 8 did not
@@ -178,47 +185,59 @@ class TextReader:
 
 
 class PrefixCache:
-    """A few finished KV states, keyed by the tokens they hold; `take` hands the best match out."""
+    """Finished KV states (with their checkpoints) within ``budget`` bytes (`KVState.held_bytes`),
+    least recently used out first; `take` hands out the one that serves most of a prompt."""
 
-    def __init__(self, engine, capacity: int):
+    def __init__(self, engine, budget: int, metrics: Metrics | None = None):
         self.engine = engine
-        self.capacity = capacity
-        self.states: list[Any] = []  # oldest first
+        self.budget = budget
+        self.metrics = metrics or Metrics()
+        self.states: list[Any] = []  # least recently used first
+
+    @property
+    def held(self) -> int:
+        """Bytes the cached states hold."""
+        return sum(s.held_bytes for s in list(self.states))
 
     def take(self, ids: list[int]) -> tuple[Any, int]:
-        """A state whose first ``reuse`` tokens equal ``ids``' (reuse < len(ids)), and ``reuse``.
-        Picture rows are compared by their keys (`SoftTokens.keyed`): a changed picture ends the match."""
+        """A state whose first ``reuse`` tokens equal ``ids``' (reuse < len(ids)), rolled back to
+        them (to its newest checkpoint within the common prefix where its sliding rings cannot
+        roll back so far), and ``reuse``; else a new state and 0. Picture rows are compared by
+        their keys (`SoftTokens.keyed`): a changed picture ends the match."""
         best, reuse = None, 0
         for s in self.states:
-            n = min(common_prefix(s.tokens, ids), len(ids) - 1)
+            n = s.reach(min(common_prefix(s.tokens, ids), len(ids) - 1))
             if n > reuse:
                 best, reuse = s, n
-        if best is not None:
-            self.states.remove(best)
-            if best.truncate(reuse):
-                return best, reuse
-        return self.engine.new_state(), 0
+        if best is None:
+            return self.engine.new_state(), 0
+        self.states.remove(best)
+        self.metrics.inc("gemmalite_prefix_cache_hits_total")
+        return best, best.rollback(reuse)
 
     def put(self, state: Any) -> None:
-        if self.capacity <= 0 or state is None or not state.tokens:
+        if self.budget <= 0 or state is None or not state.tokens or state.held_bytes > self.budget:
             return
         self.states.append(state)
-        del self.states[: max(0, len(self.states) - self.capacity)]
+        while self.held > self.budget:
+            del self.states[0]
 
 
 class Scheduler:
     """Owns ``engine`` on its own thread. ``submit`` enqueues (raises `Overloaded` when full)."""
 
     def __init__(self, engine, tokenizer, *, max_concurrency: int = 8, max_queue: int = 64,
-                 prefix_cache: int = 4, metrics: Metrics | None = None, drafter=None):
+                 prefix_cache: int = PREFIX_CACHE_BYTES, metrics: Metrics | None = None, drafter=None):
         self.engine = engine
         self.drafter = drafter  # an MTP drafter (`runtime.drafting.Drafter`) or None
         self.tokenizer = tokenizer
         self.max_concurrency = max(1, max_concurrency)
         self.waiting: queue.Queue[Sequence] = queue.Queue(maxsize=max(1, max_queue))
         self.active: list[Sequence] = []
-        self.cache = PrefixCache(engine, prefix_cache)
         self.metrics = metrics or Metrics()
+        self.cache = PrefixCache(engine, prefix_cache, self.metrics)  # ``prefix_cache``: its budget in bytes
+        self.metrics.gauge("gemmalite_prefix_cache_bytes", lambda: self.cache.held)
+        self.markers = marker_ids(tokenizer)  # where a prompt's prefill stops for a checkpoint
         self._wake = threading.Event()
         self._stop = False
         self._start_lock = threading.Lock()
@@ -416,9 +435,18 @@ class Scheduler:
     def _prefill_group(self, seqs: list[Sequence]) -> None:
         """Prefill ``seqs``' new tokens and sample each one's first token. Plain-token prompts that
         fit go through the engine together (`Engine.prefill_many`: each weight read once for all
-        of them, each result its solo one); pictures, and prompts that would not fit (the
-        engine's error then ends only that request), run alone."""
-        together = [s for s in seqs if s.soft is None and s.state.length + len(s.ids) - s.cached <= s.state.context]
+        of them, each result its solo one), first up to each one's last split point (checkpoints,
+        `runtime.checkpoints.prefill_heads`), then the rest; pictures, and prompts that would not
+        fit (the engine's error then ends only that request), run alone."""
+        fit = [s for s in seqs if len(s.ids) <= s.state.context]
+        try:  # each prompt up to its last split point, checkpointed (pieces together, round by round)
+            prefill_heads(self.engine, [s.state for s in fit], [np.asarray(s.ids, dtype=np.int64) for s in fit],
+                          self.markers, [s.soft for s in fit])
+        except Exception as e:  # their states may be half written: none goes back to the cache
+            for seq in fit:
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            seqs = [s for s in seqs if s not in fit]
+        together = [s for s in seqs if s.soft is None and len(s.ids) <= s.state.context]
         if len(together) > 1:
             try:
                 h = self.engine.prefill_many([s.state for s in together], [self._new_ids(s) for s in together])
@@ -439,17 +467,20 @@ class Scheduler:
                 continue
             try:
                 soft = seq.soft
-                h = self.engine.prefill(seq.state, self._new_ids(seq), soft.after(seq.cached) if soft is not None else None)
+                h = self.engine.prefill(seq.state, self._new_ids(seq),
+                                        soft.after(seq.state.length) if soft is not None else None)
                 self._started(seq, self.engine.logits(h)[0], h[0])
             except Exception as e:  # a request the engine refuses must not stop the others
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
 
     @staticmethod
     def _new_ids(seq: Sequence) -> np.ndarray:
-        return np.asarray(seq.ids[seq.cached:], dtype=np.int64)
+        return np.asarray(seq.ids[seq.state.length:], dtype=np.int64)
 
     def _started(self, seq: Sequence, logits: np.ndarray, hidden: np.ndarray | None = None) -> None:
-        """``seq``'s prompt is in its state: count it, let it join the batch, sample its first token."""
+        """``seq``'s prompt is in its state: checkpoint it there, count it, let it join the batch,
+        sample its first token."""
+        seq.state.checkpoint()
         self.metrics.observe("gemmalite_time_to_first_token_seconds", time.perf_counter() - seq.submitted)
         self.metrics.inc("gemmalite_prompt_tokens_total", len(seq.ids))
         self.metrics.inc("gemmalite_cached_prompt_tokens_total", seq.cached)

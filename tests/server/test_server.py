@@ -59,7 +59,7 @@ def live(model, refs, embedder):
     from gemmalite.server import build_app
 
     app = build_app(model, embedder, model_id=MODEL_ID, embedder_id=EMB_ID, api_key=KEY,
-                    max_concurrency=4, max_queue=8, prefix_cache=4)
+                    max_concurrency=4, max_queue=8, prefix_cache=64 << 20)
     s = LiveServer(app)
     yield s
     s.stop()

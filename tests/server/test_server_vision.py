@@ -87,7 +87,7 @@ def live(model, refs):
     from gemmalite.server.protocol import Limits
 
     limits = Limits(max_images=2, max_image_bytes=64 << 10, max_image_pixels=20000)
-    s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY, max_concurrency=4, prefix_cache=4, limits=limits))
+    s = LiveServer(build_app(model, model_id=MODEL_ID, api_key=KEY, max_concurrency=4, prefix_cache=64 << 20, limits=limits))
     yield s
     s.stop()
 

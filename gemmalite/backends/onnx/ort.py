@@ -47,6 +47,8 @@ class OrtState(KVState):
             return False
         return all(not c.sliding or self.length <= c.size or n >= self.length - 1 for c in self.specs)
 
+    can_truncate = _can_truncate  # (`KVState.reach` asks; this state keeps no checkpoints)
+
     def truncate(self, n: int) -> bool:
         """Roll back to the first ``n`` tokens (slots past ``n`` are masked by position, then rewritten)."""
         if not self._can_truncate(n):
