@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import anthropic
 import pytest
@@ -370,14 +371,19 @@ def test_full_queue_answers_529_overloaded(scripted):
     sch = scripted.srv.scheduler
     sch.max_concurrency, parked = 0, []  # nothing is admitted while the queue is full
     try:
-        while not sch.waiting.full():
-            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None, cancelled=True))
+        while not sch.waiting.full():  # (not cancelled: a cancelled request leaves the queue at once)
+            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None))
             sch.submit(parked[-1])
         with pytest.raises(anthropic.APIStatusError) as e:
             client(scripted).messages.create(model=MODEL_ID, max_tokens=5, messages=USER)
     finally:
-        while not sch.waiting.empty():  # (taken back here: the scheduler admits nothing meanwhile)
-            sch.waiting.get_nowait()
+        for seq in parked:  # (they leave the queue unstarted)
+            seq.cancel()
         sch.max_concurrency = 4
+        sch._wake.set()
+    t0 = time.time()
+    while sch.queue_depth:
+        assert time.time() - t0 < 10
+        time.sleep(0.02)
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
     assert client(scripted).messages.count_tokens(model=MODEL_ID, messages=USER).input_tokens > 0
