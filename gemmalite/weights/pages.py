@@ -19,11 +19,12 @@ which reads those weights whole into fresh memory (`gemmalite.load`'s ``huge_pag
 from __future__ import annotations
 
 import mmap
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from .matrix import Matrix, release_pages
+if TYPE_CHECKING:  # imported where used: the CLI reads SETTINGS before it needs the kernels
+    from .matrix import Matrix
 
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 MEMINFO = "/proc/meminfo"
@@ -87,6 +88,8 @@ class Arena:
         """A copy of the C-contiguous ``a`` in the arena, made CHUNK bytes at a time; a file
         mapping's pages of each chunk leave the resident set once it is copied (`release_pages`),
         so a big table never sits in memory twice."""
+        from .matrix import release_pages
+
         n = a.nbytes
         if self._used + n > self._bytes.size:
             raise ValueError("arena full")
@@ -101,6 +104,8 @@ class Arena:
 
 def _matrices(m: Matrix) -> Iterable[Matrix]:
     """A matrix and the matrices it holds (a GGUF float tensor's `Matrix` view)."""
+    from .matrix import Matrix
+
     yield m
     for v in list(vars(m).values()):
         if isinstance(v, Matrix):
