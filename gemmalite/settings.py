@@ -24,7 +24,6 @@ import hashlib
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 VERSION = "0.1.0"
@@ -108,6 +107,8 @@ def _writable_dir(path: Path) -> Path:
         probe.unlink()
         return path
     except OSError:  # read-only home (containers, CI): a private temporary folder for this process
+        import tempfile
+
         return Path(tempfile.mkdtemp(prefix="gemmalite-numba-"))
 
 

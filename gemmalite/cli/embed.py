@@ -5,8 +5,6 @@ import argparse
 import json
 import sys
 
-import numpy as np
-
 from .generate import backend_args, threads_arg, use_threads
 
 
@@ -48,6 +46,8 @@ def cmd_embed(a: argparse.Namespace) -> int:
         print(json.dumps({"model": a.model, "dimensions": int(vecs.shape[1]),
                           "embeddings": [[float(x) for x in v] for v in vecs]}))
         return 0
+    import numpy as np
+
     np.set_printoptions(precision=4, suppress=True, linewidth=120)
     for i, (label, v) in enumerate(zip(labels, vecs)):
         print(f"[{i}] {label}: {v.shape[0]} dims  {' '.join(f'{x:+.4f}' for x in v[:6])} ...")

@@ -2,8 +2,9 @@
 
 The safetensors layout is an 8-byte header size, a JSON header, then raw little-endian
 tensor bytes. We map those bytes with `numpy.memmap` in their stored dtype (bfloat16 via
-ml_dtypes), so a 2.3-billion-value PLE table costs nothing until rows are read. (The
-`safetensors` package's numpy loader cannot hand out bfloat16 arrays, hence this reader.)
+ml_dtypes, imported for the first bfloat16 tensor), so a 2.3-billion-value PLE table costs
+nothing until rows are read. (The `safetensors` package's numpy loader cannot hand out bfloat16
+arrays, hence this reader.)
 """
 from __future__ import annotations
 
@@ -13,17 +14,16 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import CheckpointError
 from ..kernels.common import ALIGN
+from ..weights import bf16
 
 
-DTYPES = {
+DTYPES = {  # and "BF16" (`_dtype`)
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
     "F64": np.dtype(np.float64),
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
@@ -32,6 +32,16 @@ DTYPES = {
 }
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
+
+
+def _dtype(name: str) -> np.dtype | None:
+    """The numpy dtype of a header's dtype name (None: not one we read)."""
+    return bf16.dtype() if name == "BF16" else DTYPES.get(name)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """A numpy dtype's name in a header."""
+    return "BF16" if bf16.is_bf16(dtype) else _DTYPE_NAMES[dtype]
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -77,7 +87,7 @@ def read_header(path: Path) -> tuple[int, dict[str, tuple[np.dtype, tuple[int, .
     for name, info in header.items():
         if not isinstance(info, dict):
             raise CheckpointError(f"{path}: tensor {name} has a malformed header entry")
-        dtype = DTYPES.get(info["dtype"]) if isinstance(info.get("dtype"), str) else None
+        dtype = _dtype(info["dtype"]) if isinstance(info.get("dtype"), str) else None
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
@@ -153,7 +163,7 @@ def write_safetensors(folder: Path, specs: dict[str, tuple[tuple[int, ...], np.d
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         for n in names:
             shape, dtype = specs[n]
-            header[n] = {"dtype": _DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape),
+            header[n] = {"dtype": _dtype_name(np.dtype(dtype)), "shape": list(shape),
                          "data_offsets": [offsets[n], offsets[n] + sizes[n]]}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(8 + len(blob)) % ALIGN)

@@ -39,7 +39,8 @@ from ..kernels.ggml import (FLOAT_TYPES, KERNELS, KQ_KINDS, LANE_OFFSET, W, bloc
 from ..kernels.half import KIND_Q5_0, KIND_Q8_0, half_matmul
 from ..kernels.half import ROWS as HALF_ROWS
 from ..kernels.int4s import LANE_GROUP, round_i8_lanes
-from .matrix import BF16, Matrix, Prepared, as_matrix
+from . import bf16
+from .matrix import Matrix, Prepared, as_matrix
 from .operands import GGML_OPS, BlockOp, KQuantOp, run_product
 from .quant import _token_chunks
 
@@ -62,7 +63,7 @@ TILE_KINDS = {"Q8_0": KIND_Q8_0, "Q5_0": KIND_Q5_0}  # short prompts on `half_ma
 
 def _float_rows(raw: np.ndarray, name: str, cols: int) -> np.ndarray:
     """The raw [rows, bytes] array viewed as [rows, cols] of its stored float dtype."""
-    dt = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16}[name]
+    dt = bf16.dtype() if name == "BF16" else {"F32": np.dtype("<f4"), "F16": np.dtype("<f2")}[name]
     return raw.view(dt).reshape(raw.shape[0], cols)
 
 

@@ -21,14 +21,15 @@ import numpy as np
 from ..kernels import blas, common
 from ..kernels.half import KIND_BF16, KIND_F16, ONE_ROW_COLS, ROWS, bf16_matmul, half_matmul, round_bf16
 from ..kernels.numba_ops import matmul_tiles
+from . import bf16
 from .operands import F32Op, HalfOp, products_each, run_product, with_kernel
 
-try:  # bfloat16 is only a storage format here; math is float32
-    import ml_dtypes
 
-    BF16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BF16 = None
+def __getattr__(name: str) -> Any:
+    """``BF16``: numpy's bfloat16 dtype (`bf16.dtype`), imported on first use."""
+    if name == "BF16":
+        return bf16.dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 FAULT_AROUND = 64 * 1024  # bytes the kernel maps around a faulting page of a cached file (its default)
@@ -299,10 +300,10 @@ class HalfMatrix(Matrix):
     independent_rows = True
 
     def __init__(self, w: np.ndarray):
-        assert w.ndim == 2 and w.dtype in (np.float16, BF16), w.dtype
+        assert w.ndim == 2 and (w.dtype == np.float16 or bf16.is_bf16(w.dtype)), w.dtype
         self.w = np.ascontiguousarray(w)  # no copy when contiguous (memory-mapped)
         self._bits = self.w.view(np.uint16)
-        self._bf16 = w.dtype == BF16
+        self._bf16 = bf16.is_bf16(w.dtype)
         self.shape = w.shape
 
     @property
@@ -380,6 +381,6 @@ def matmul_each_all(mats: list[Matrix], x: np.ndarray) -> list[np.ndarray]:
 
 def as_matrix(w: np.ndarray, *, keep_half: bool = False) -> Matrix:
     """Wrap a stored 2-D tensor: half-precision stays as stored if ``keep_half``, else float32."""
-    if keep_half and w.dtype in (np.float16, BF16):
+    if keep_half and (w.dtype == np.float16 or bf16.is_bf16(w.dtype)):
         return HalfMatrix(w)
     return F32Matrix(w)

@@ -19,11 +19,12 @@ which reads those weights whole into fresh memory (`gemmalite.load`'s ``huge_pag
 from __future__ import annotations
 
 import mmap
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from .matrix import Matrix, release_pages
+if TYPE_CHECKING:  # imported where used: the CLI reads SETTINGS before it needs the kernels
+    from .matrix import Matrix
 
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 MEMINFO = "/proc/meminfo"
@@ -61,12 +62,13 @@ def streamed_bytes(matrices: Iterable[Matrix]) -> int:
     return sum(n for _, n in _groups(_all(matrices)))
 
 
-def worth_it(matrices: list[Matrix]) -> bool:
+def worth_it(matrices: list[Matrix], extra: int = 0) -> bool:
     """The loader's default: move where the kernel offers 2 MiB pages and the copies take at most
     ROOM of the available memory. A file mapping runs a model the memory cannot hold (pages come
-    and go); copies would not: a machine that tight keeps the mapping."""
+    and go); copies would not: a machine that tight keeps the mapping. ``extra``: bytes the
+    matrices gain before they move (Q5_0 blocks the loader expands to Q8_0)."""
     room = available()
-    return offered() and room is not None and streamed_bytes(matrices) <= ROOM * room
+    return offered() and room is not None and streamed_bytes(matrices) + extra <= ROOM * room
 
 
 class Arena:
@@ -87,6 +89,8 @@ class Arena:
         """A copy of the C-contiguous ``a`` in the arena, made CHUNK bytes at a time; a file
         mapping's pages of each chunk leave the resident set once it is copied (`release_pages`),
         so a big table never sits in memory twice."""
+        from .matrix import release_pages
+
         n = a.nbytes
         if self._used + n > self._bytes.size:
             raise ValueError("arena full")
@@ -101,6 +105,8 @@ class Arena:
 
 def _matrices(m: Matrix) -> Iterable[Matrix]:
     """A matrix and the matrices it holds (a GGUF float tensor's `Matrix` view)."""
+    from .matrix import Matrix
+
     yield m
     for v in list(vars(m).values()):
         if isinstance(v, Matrix):
