@@ -15,7 +15,7 @@ from .formats.gguf_gemma import load_gguf_parts
 from .formats.gguf_tokenizer import tokenizer_from_gguf_file
 from .formats.hub import local_path
 from .model import Model
-from .models.gemma.build import QUANT_KINDS, GemmaWeights, build_weights, host_tables, matrix_factory, table
+from .models.gemma.build import QUANT_KINDS, build_weights, host_tables, matrix_factory, table
 from .models.gemma.config import ModelConfig
 from .models.gemma.contract import check_tensors
 from .runtime import inputs
@@ -86,8 +86,7 @@ def _expand_q5_0(tensors: dict, names: list[str]) -> None:
         release_pages(source)  # read once, never again: out of the resident set
 
 
-def _weights(cfg: ModelConfig, tensors: dict, quant: str | None, expand: list[str],
-             huge_pages: bool | None) -> GemmaWeights:
+def _weights(cfg: ModelConfig, tensors: dict, quant: str | None, expand: list[str], huge_pages: bool | None):
     """`build_weights` once ``expand`` (`_q5_0_to_expand`) is expanded, the streamed weights moved
     to 2 MiB pages (`pages.move`) where ``huge_pages`` says (None: where `pages.worth_it`). The
     ones the expansion leaves as they are move on a thread while it runs: the copies (page faults
@@ -97,7 +96,7 @@ def _weights(cfg: ModelConfig, tensors: dict, quant: str | None, expand: list[st
     if expand and quant is None and huge_pages is not False:  # the projections are the tensors themselves
         probe = build_weights(cfg, tensors, None).streamed()
         grow = {id(tensors[k]): _q8_0_bytes(tensors[k]) - tensors[k].nbytes for k in expand}
-        if huge_pages or pages.worth_it(probe, extra=sum(grow.get(i, 0) for i in {id(m) for m in probe})):
+        if huge_pages or pages.worth_it(probe, extra=sum(grow.get(id(m), 0) for m in probe)):
             ahead = [m for m in probe if id(m) not in grow]
     if ahead:
         from concurrent.futures import ThreadPoolExecutor
