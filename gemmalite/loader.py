@@ -65,56 +65,16 @@ GGUF_Q5_0 = ("auto", "int8", "blocks")
 Q5_0_AUTO_MAX = 256 << 20
 
 
-def _q5_0_to_expand(tensors: dict, how: str) -> list[str]:
-    """The Q5_0 projections of a .gguf's tensors that ``gguf_q5_0`` (of `load`) expands to Q8_0 blocks."""
+def _expand_q5_0(tensors: dict, how: str) -> None:
+    """The Q5_0 projections of a .gguf's tensors as Q8_0 blocks (``gguf_q5_0`` of `load`), in place."""
     q5 = [k for k, t in tensors.items() if isinstance(t, GGMLMatrix) and t.qtype == "Q5_0" and "embed" not in k]
-    expanded = sum(_q8_0_bytes(tensors[k]) for k in q5)
+    expanded = sum(tensors[k].shape[0] * row_bytes("Q8_0", tensors[k].shape[1]) for k in q5)
     if how == "blocks" or (how == "auto" and expanded > Q5_0_AUTO_MAX):
-        return []
-    return q5
-
-
-def _q8_0_bytes(m: GGMLMatrix) -> int:
-    return m.shape[0] * row_bytes("Q8_0", m.shape[1])
-
-
-def _expand_q5_0(tensors: dict, names: list[str]) -> None:
-    """The tensors ``names`` (Q5_0) as Q8_0 blocks of the same values, in place."""
-    for k in names:
+        return
+    for k in q5:
         source = tensors[k].raw
         tensors[k] = tensors[k].as_q8_0()
         release_pages(source)  # read once, never again: out of the resident set
-
-
-def _weights(cfg: ModelConfig, tensors: dict, quant: str | None, expand: list[str], huge_pages: bool | None):
-    """`build_weights` once ``expand`` (`_q5_0_to_expand`) is expanded, the streamed weights moved
-    to 2 MiB pages (`pages.move`) where ``huge_pages`` says (None: where `pages.worth_it`). The
-    ones the expansion leaves as they are move on a thread while it runs: the copies (page faults
-    and memcpy, without the GIL) overlap the expansion, whose first kernel call loads numba's
-    typing registries (Python, most of it). The same bytes either way; two arenas instead of one."""
-    ahead: list = []
-    if expand and quant is None and huge_pages is not False:  # the projections are the tensors themselves
-        probe = build_weights(cfg, tensors, None).streamed()
-        grow = {id(tensors[k]): _q8_0_bytes(tensors[k]) - tensors[k].nbytes for k in expand}
-        if huge_pages or pages.worth_it(probe, extra=sum(grow.get(id(m), 0) for m in probe)):
-            ahead = [m for m in probe if id(m) not in grow]
-    if ahead:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(1, thread_name_prefix="gemmalite-pages") as pool:
-            moved = pool.submit(pages.move, ahead)
-            _expand_q5_0(tensors, expand)
-            moved.result()  # (its error, if any, raised here)
-    else:
-        _expand_q5_0(tensors, expand)
-    w = build_weights(cfg, tensors, quant)
-    streamed = w.streamed()
-    if ahead:
-        done = {id(m) for m in ahead}
-        pages.move([m for m in streamed if id(m) not in done])  # the expanded ones
-    elif huge_pages or (huge_pages is None and pages.worth_it(streamed)):
-        pages.move(streamed)
-    return w
 
 
 def load(path: str | Path, *, context: int | None = None, quant: str | None = None,
@@ -178,16 +138,15 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     vision = audio = None
-    expand: list[str] = []
     export = _onnx_export(p, backend)
     if p.is_file():
         if not is_gguf(p):
             raise CheckpointError(f"{p}: not a GGUF file or a checkpoint folder")
         cfg, tensors, tokenizer, gen = load_gguf_parts(p)
+        _expand_q5_0(tensors, gguf_q5_0)
         for t in tensors.values():
             if isinstance(t, GGMLMatrix):
-                t.int8_prefill = gguf_prefill == "int8"  # (an expanded copy keeps it)
-        expand = _q5_0_to_expand(tensors, gguf_q5_0)  # expanded with the weights (`_weights`)
+                t.int8_prefill = gguf_prefill == "int8"
     else:
         if gguf_prefill != "float":
             raise InputError(f"{p}: gguf_prefill is for .gguf files (a folder's prompts take its own weights' path)")
@@ -220,7 +179,10 @@ def load(path: str | Path, *, context: int | None = None, quant: str | None = No
         embed, lm_head, ple_table = host_tables(cfg, tensors, quant)
         graph = _onnx_graph(p, cfg, ctx, providers, threads, static_shapes)
     else:
-        w = _weights(cfg, tensors, quant, expand, huge_pages if backend == "gemmalite" else False)
+        w = build_weights(cfg, tensors, quant)
+        streamed = w.streamed()
+        if backend == "gemmalite" and (huge_pages or (huge_pages is None and pages.worth_it(streamed))):
+            pages.move(streamed)
         embed, lm_head, ple_table = w.embed, w.lm_head, w.ple_table
         graph = _onnx_graph(w.graph, cfg, ctx, providers, threads, static_shapes) if backend == "onnxruntime" \
             else w.graph

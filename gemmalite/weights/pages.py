@@ -62,13 +62,12 @@ def streamed_bytes(matrices: Iterable[Matrix]) -> int:
     return sum(n for _, n in _groups(_all(matrices)))
 
 
-def worth_it(matrices: list[Matrix], extra: int = 0) -> bool:
+def worth_it(matrices: list[Matrix]) -> bool:
     """The loader's default: move where the kernel offers 2 MiB pages and the copies take at most
     ROOM of the available memory. A file mapping runs a model the memory cannot hold (pages come
-    and go); copies would not: a machine that tight keeps the mapping. ``extra``: bytes the
-    matrices gain before they move (Q5_0 blocks the loader expands to Q8_0)."""
+    and go); copies would not: a machine that tight keeps the mapping."""
     room = available()
-    return offered() and room is not None and streamed_bytes(matrices) + extra <= ROOM * room
+    return offered() and room is not None and streamed_bytes(matrices) <= ROOM * room
 
 
 class Arena:
