@@ -3,7 +3,9 @@ The server's packages (the ``server`` extra) are imported only when the command 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import signal
 import threading
 from pathlib import Path
 
@@ -86,6 +88,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     srv, grace = app.state.server, a.shutdown_grace
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT / SIGTERM begin the graceful shutdown; once it is done the process exits 0
+            (uvicorn's own would raise the signal again, ending it as killed by the signal)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in original.items():
+                    signal.signal(s, handler)
+
         def handle_exit(self, sig, frame) -> None:
             # new requests 503; what runs has ``grace`` seconds, then is cancelled (from a thread: the
             # signal may have interrupted this one inside a lock that draining takes)

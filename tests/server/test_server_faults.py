@@ -265,7 +265,7 @@ def test_soak_mixed_malformed_and_abandoned_requests(live, model):
     # nothing is kept per request: no sequence outlives its request, the prefix cache keeps its size
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, Sequence)]
-    assert len(sch.cache.states) <= sch.cache.capacity
+    assert sch.cache.held <= sch.cache.budget
     # and the server still answers as the model does
     want = model.generate("Hello there", max_new_tokens=6, temperature=0)
     status, _, r = live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "Hello there", "max_tokens": 6,
@@ -386,7 +386,7 @@ def test_sigterm_cancels_requests_in_flight_after_the_grace(tmp_path_factory):
 
         until(lambda: results.get("streaming") and active() == 2, "both requests run")
         p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal it handled)
+        assert p.wait(timeout=60) == 0  # a graceful shutdown that ran its course
         for t in threads:
             t.join(60)
         status, body = results["plain"]
