@@ -371,7 +371,8 @@ def test_full_queue_answers_529_overloaded(scripted):
     sch.max_concurrency, parked = 0, []  # nothing is admitted while the queue is full
     try:
         while not sch.waiting.full():
-            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None, cancelled=True))
+            # (not cancelled: the scheduler drops a cancelled request from its queue at once)
+            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None))
             sch.submit(parked[-1])
         with pytest.raises(anthropic.APIStatusError) as e:
             client(scripted).messages.create(model=MODEL_ID, max_tokens=5, messages=USER)
@@ -381,3 +382,4 @@ def test_full_queue_answers_529_overloaded(scripted):
         sch.max_concurrency = 4
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
     assert client(scripted).messages.count_tokens(model=MODEL_ID, messages=USER).input_tokens > 0
+
