@@ -53,8 +53,10 @@ def respond(client, effort: str | None):
     """(text, reasoning, usage) of the response, non-streamed and streamed (which must agree)."""
     kw = dict(model=MODEL_ID, input=USER[0]["content"], max_output_tokens=400, temperature=0,
               **({"reasoning": {"effort": effort}} if effort else {}))
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
     out = []
-    for r in (client.responses.create(**kw), client.responses.stream(**kw).__enter__().get_final_response()):
+    for r in (client.responses.create(**kw), final):
         text = "".join(c.text for i in r.output if i.type == "message" for c in i.content)
         thought = "".join(c.text for i in r.output if i.type == "reasoning" for c in i.content)
         out.append((text, thought, r.usage.output_tokens, r.usage.output_tokens_details.reasoning_tokens))
