@@ -421,6 +421,7 @@ class Server:
         if messages is None:
             messages = chat_messages(body, self.limits)
         seq = await self._chat_sequence(messages, gen, param=param, opts=opts)
+        seq.thinking_budget = opts.thinking_budget  # (the effort's; its siblings copy it)
         if self.chat_format:
             seq.output = lambda: chat_format.ChatReader(self.tokenizer, seq.stop_strings, opts)
         # (the tools' grammar and a response_format schema compile in a worker thread)

@@ -1,6 +1,7 @@
 """Chat completions for agents: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` /
-``reasoning_effort`` / ``chat_template_kwargs`` in, ``message.tool_calls`` / ``reasoning_content``
-(and their streamed deltas) out, through gemmalite's Gemma 4 chat format (`gemmalite.chat`).
+``reasoning_effort`` (thinking on or off and its budget: `REASONING_EFFORTS`) / ``chat_template_kwargs``
+in, ``message.tool_calls`` / ``reasoning_content`` (and their streamed deltas) out, through
+gemmalite's Gemma 4 chat format (`gemmalite.chat`).
 
 Every chat reply is read by the `OutputParser`: a thought the model writes goes to
 ``reasoning_content``, never into ``content``; calls are parsed when tools are declared and
@@ -20,7 +21,11 @@ from ..chat.parser import (Content, Event, OutputParser, Reasoning, ToolCallArgs
 from .protocol import bad
 from .scheduler import Part, Piece
 
-REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True, "max": True}
+#: ``reasoning_effort`` (chat) / ``reasoning.effort`` (Responses) -> (thinking on, its budget in thought
+#: tokens, `runtime.budget`; None: unlimited)
+REASONING_EFFORTS: dict[str, tuple[bool, int | None]] = {
+    "none": (False, None), "minimal": (False, None), "low": (True, 256), "medium": (True, 1024),
+    "high": (True, None), "xhigh": (True, None), "max": (True, None)}
 
 
 @dataclass
@@ -31,6 +36,7 @@ class ChatOptions:
     tool_choice: str | dict = "none"
     parallel: bool = True
     thinking: bool = False
+    thinking_budget: int | None = None  # thought tokens before <channel|> is forced (None: unlimited)
 
     @property
     def parse_calls(self) -> bool:
@@ -66,11 +72,11 @@ def chat_options(body: dict) -> ChatOptions:
     enable = kwargs.get("enable_thinking")
     if enable is not None and not isinstance(enable, bool):
         raise bad("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs.enable_thinking")
-    thinking = REASONING_EFFORTS[effort] if effort is not None else bool(enable)
+    thinking, budget = REASONING_EFFORTS[effort] if effort is not None else (bool(enable), None)
     if effort is not None and enable is not None and enable != thinking:
         raise bad(f"reasoning_effort {effort!r} and chat_template_kwargs.enable_thinking={enable} disagree",
                   "reasoning_effort")
-    return ChatOptions(decls, choice, parallel, thinking)
+    return ChatOptions(decls, choice, parallel, thinking, budget)
 
 
 def prompt_ids(tokenizer, messages: list[dict[str, Any]], opts: ChatOptions) -> list[int]:

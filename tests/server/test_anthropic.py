@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import time
 
 import anthropic
@@ -387,3 +388,54 @@ def test_full_queue_answers_529_overloaded(scripted):
         time.sleep(0.02)
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
     assert client(scripted).messages.count_tokens(model=MODEL_ID, messages=USER).input_tokens > 0
+
+
+class Paced:
+    """An engine whose decode steps each take ``pace`` seconds longer: a long reply still flowing
+    when its client leaves (the scripted one would end first)."""
+
+    def __init__(self, engine, pace: float):
+        self.engine, self.pace = engine, pace
+
+    def __getattr__(self, name):
+        fn = getattr(self.engine, name)
+        if not name.startswith("decode"):
+            return fn
+
+        def paced(*args, **kw):
+            time.sleep(self.pace)
+            return fn(*args, **kw)
+
+        return paced
+
+
+def test_a_dropped_stream_frees_its_slot(scripted, model):
+    """A stream's client reads one event and closes its connection: the sequence is cancelled
+    (client_gone) long before its reply's end, and the server's active sequences reach 0."""
+    ids = script(model, USER, "la " * 300)
+    before = {name: scripted.metric(name, labels) for name, labels in (
+        ("gemmalite_cancelled_total", '{cause="client_gone"}'), ("gemmalite_completion_tokens_total", ""))}
+    sch = scripted.srv.scheduler
+    sch.engine = Paced(sch.engine, 0.02)  # (300 tokens: 6 s)
+    try:
+        body = json.dumps({"model": MODEL_ID, "max_tokens": 400, "messages": USER, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", scripted.port))
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"x-api-key: {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while b"event: content_block_delta" not in got:  # one delta: the reply is running
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        sock.close()
+        deadline = time.monotonic() + 60
+        while scripted.metric("gemmalite_active_sequences") > 0:
+            assert time.monotonic() < deadline, "the dropped stream's slot was never freed"
+            time.sleep(0.01)
+    finally:
+        sch.engine = sch.engine.engine
+    assert scripted.metric("gemmalite_cancelled_total", '{cause="client_gone"}') == \
+        before["gemmalite_cancelled_total"] + 1
+    assert scripted.metric("gemmalite_completion_tokens_total") - before["gemmalite_completion_tokens_total"] < len(ids)
+    script(model, USER, "still here")
+    assert client(scripted).messages.create(model=MODEL_ID, max_tokens=20, messages=USER).content[0].text == "still here"
