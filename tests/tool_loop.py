@@ -29,3 +29,25 @@ def next_messages(messages: list[dict], reply, turn: int) -> list[dict]:
         return out + [{"role": "tool", "tool_call_id": c["id"], "content": json.dumps({"temp": 18 + turn})}
                       for c in msg["tool_calls"]]
     return out + [{"role": "user", "content": f"And on day {turn}?"}]
+
+
+CONVERSATIONS = {  # name: (first messages, thinking): the server tests interleave these two
+    "plain": (START, False),
+    "thinking": ([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Weather in Rome?"}],
+                 True),
+}
+
+
+def fresh_turns(model) -> dict[str, list[tuple[list[dict], list[int], object]]]:
+    """Each of CONVERSATIONS' turns: (messages, prompt ids, a fresh session's reply): the oracle."""
+    from gemmalite.chat import chat_ids, check_tools
+
+    out = {}
+    for name, (messages, thinking) in CONVERSATIONS.items():
+        turns = []
+        for turn in range(TURNS):
+            ids = chat_ids(model.tokenizer, messages, tools=check_tools(TOOLS), thinking=thinking)
+            turns.append((messages, ids, model.session().chat(messages, **options(turn, thinking))))
+            messages = next_messages(messages, turns[-1][2], turn)
+        out[name] = turns
+    return out

@@ -11,17 +11,11 @@ import json
 import numpy as np
 import pytest
 from live_server import KEY, LiveServer
-from tool_loop import START, TOOLS, TURNS, next_messages, options
+from tool_loop import CONVERSATIONS, TURNS, fresh_turns, options
 
-from gemmalite.chat import chat_ids, check_tools
 from gemmalite.runtime.generate import common_prefix
 
 MODEL_ID = "tiny-gemma"
-CONVERSATIONS = {  # name: (first messages, thinking)
-    "plain": (START, False),
-    "thinking": ([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Weather in Rome?"}],
-                 True),
-}
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +28,7 @@ def model(tmp_path_factory, gl):
 @pytest.fixture(scope="module")
 def oracle(model):
     """Each conversation's turns: (messages, prompt ids, the fresh session's reply)."""
-    out = {}
-    for name, (messages, thinking) in CONVERSATIONS.items():
-        turns = []
-        for turn in range(TURNS):
-            ids = chat_ids(model.tokenizer, messages, tools=check_tools(TOOLS), thinking=thinking)
-            reply = model.session().chat(messages, **options(turn, thinking))
-            turns.append((messages, ids, reply))
-            messages = next_messages(messages, reply, turn)
-        out[name] = turns
-    return out
+    return fresh_turns(model)
 
 
 def state_bound(model) -> int:
