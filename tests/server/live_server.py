@@ -54,6 +54,32 @@ class LiveServer:
         except ValueError:
             return r.status, dict(r.getheaders()), text
 
+    def drop_stream(self, path, body, until: bytes, count: int = 1, headers=None):
+        """POST ``body`` (a streamed request) on a raw socket, read until ``until`` has come ``count``
+        times (the reply is running), then close the connection: a client that leaves."""
+        data = json.dumps(body).encode()
+        head = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+        lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=60)
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{lines}"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        got = b""
+        while got.count(until) < count:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        sock.close()
+
+    def wait_cancelled(self, before: float):
+        """Wait (10 s at most) until more than ``before`` sequences have finished as cancelled; then
+        no slot may be busy and the server must be healthy."""
+        t0 = time.time()
+        while self.metric("gemmalite_finished_total", '{reason="cancelled"}') == before:
+            assert time.time() - t0 < 10, "the dropped stream was not cancelled"
+            time.sleep(0.05)
+        assert self.metric("gemmalite_active_sequences") == 0
+        assert self.raw("GET", "/health", key=None)[0] == 200
+
     def metric(self, name, labels=""):
         _, _, text = self.raw("GET", "/metrics")
         m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)

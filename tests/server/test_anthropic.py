@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import time
 
 import anthropic
@@ -418,16 +417,8 @@ def test_a_dropped_stream_frees_its_slot(scripted, model):
     sch = scripted.srv.scheduler
     sch.engine = Paced(sch.engine, 0.02)  # (300 tokens: 6 s)
     try:
-        body = json.dumps({"model": MODEL_ID, "max_tokens": 400, "messages": USER, "stream": True}).encode()
-        sock = socket.create_connection(("127.0.0.1", scripted.port))
-        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"x-api-key: {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while b"event: content_block_delta" not in got:  # one delta: the reply is running
-            chunk = sock.recv(65536)
-            assert chunk, got
-            got += chunk
-        sock.close()
+        scripted.drop_stream("/v1/messages", {"model": MODEL_ID, "max_tokens": 400, "messages": USER, "stream": True},
+                             b"event: content_block_delta", headers={"x-api-key": KEY})
         deadline = time.monotonic() + 60
         while scripted.metric("gemmalite_active_sequences") > 0:
             assert time.monotonic() < deadline, "the dropped stream's slot was never freed"

@@ -431,25 +431,12 @@ def test_pictures_and_clips_read_as_the_chat_path_reads_them(live_real):
 
 
 def test_a_dropped_stream_frees_its_slot(live_real):
-    import socket
-    import time
 
     before = live_real.metric("gemmalite_finished_total", '{reason="cancelled"}')
-    sock = socket.create_connection(("127.0.0.1", live_real.port))
-    body = json.dumps({"model": MODEL_ID, "input": "Once", "max_output_tokens": 450, "temperature": 1.0, "seed": 1,
-                       "stream": True}).encode()
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    got = b""
-    while got.count(b"response.output_text.delta") < 3:  # the stream is running
-        got += sock.recv(65536)
-    sock.close()
-    t0 = time.time()
-    while live_real.metric("gemmalite_finished_total", '{reason="cancelled"}') == before:
-        assert time.time() - t0 < 10, "the dropped stream was not cancelled"
-        time.sleep(0.05)
-    assert live_real.metric("gemmalite_active_sequences") == 0
-    assert live_real.raw("GET", "/health", key=None)[0] == 200
+    live_real.drop_stream("/v1/responses", {"model": MODEL_ID, "input": "Once", "max_output_tokens": 450,
+                                            "temperature": 1.0, "seed": 1, "stream": True},
+                          b"response.output_text.delta", 3)
+    live_real.wait_cancelled(before)
 
 
 def test_a_follow_up_is_the_chat_conversation(live_real):

@@ -4,8 +4,6 @@ the same model (computed before the server serves, never concurrently with it)."
 from __future__ import annotations
 
 import base64
-import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -290,21 +288,9 @@ def test_api_key(live):
 
 def test_dropped_stream_frees_slot(live):
     before = live.metric("gemmalite_finished_total", '{reason="cancelled"}')
-    sock = socket.create_connection(("127.0.0.1", live.port))
-    body = json.dumps({"model": MODEL_ID, "prompt": "Once", "max_tokens": 250, "temperature": 1.0, "seed": 1,
-                       "stream": True, "stop": ["\u0000never"]}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    got = b""
-    while got.count(b"data:") < 3:  # the stream is running
-        got += sock.recv(65536)
-    sock.close()
-    t0 = time.time()
-    while live.metric("gemmalite_finished_total", '{reason="cancelled"}') == before:
-        assert time.time() - t0 < 10, "the dropped stream was not cancelled"
-        time.sleep(0.05)
-    assert live.metric("gemmalite_active_sequences") == 0
-    assert live.raw("GET", "/health", key=None)[0] == 200
+    live.drop_stream("/v1/completions", {"model": MODEL_ID, "prompt": "Once", "max_tokens": 250, "temperature": 1.0,
+                                         "seed": 1, "stream": True, "stop": ["\u0000never"]}, b"data:", 3)
+    live.wait_cancelled(before)
 
 
 def test_full_queue_answers_429(live):
