@@ -1,6 +1,7 @@
 """A live uvicorn server on loopback for the server tests, and helpers to read its answers."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -79,6 +80,31 @@ class LiveServer:
             time.sleep(0.05)
         assert self.metric("gemmalite_active_sequences") == 0
         assert self.raw("GET", "/health", key=None)[0] == 200
+
+    @contextlib.contextmanager
+    def full_queue(self):
+        """Within: the scheduler admits nothing and its queue is full of requests that are not
+        cancelled (a cancelled one leaves the queue at once). After: they leave unstarted, the
+        scheduler admits again, and the queue is empty (10 s at most)."""
+        from gemmalite.server.scheduler import Sequence
+
+        sch = self.srv.scheduler
+        admitted, parked = sch.max_concurrency, []
+        sch.max_concurrency = 0
+        try:
+            while not sch.waiting.full():
+                parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None))
+                sch.submit(parked[-1])
+            yield
+        finally:
+            for seq in parked:
+                seq.cancel()
+            sch.max_concurrency = admitted
+            sch._wake.set()
+        t0 = time.time()
+        while sch.queue_depth:
+            assert time.time() - t0 < 10
+            time.sleep(0.02)
 
     def metric(self, name, labels=""):
         _, _, text = self.raw("GET", "/metrics")

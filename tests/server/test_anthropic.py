@@ -366,25 +366,9 @@ def test_bad_requests_answer_400_in_anthropic_shape(scripted, model):
 
 
 def test_full_queue_answers_529_overloaded(scripted):
-    from gemmalite.server.scheduler import Sequence
-
-    sch = scripted.srv.scheduler
-    sch.max_concurrency, parked = 0, []  # nothing is admitted while the queue is full
-    try:
-        while not sch.waiting.full():  # (not cancelled: a cancelled request leaves the queue at once)
-            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None))
-            sch.submit(parked[-1])
+    with scripted.full_queue():
         with pytest.raises(anthropic.APIStatusError) as e:
             client(scripted).messages.create(model=MODEL_ID, max_tokens=5, messages=USER)
-    finally:
-        for seq in parked:  # (they leave the queue unstarted)
-            seq.cancel()
-        sch.max_concurrency = 4
-        sch._wake.set()
-    t0 = time.time()
-    while sch.queue_depth:
-        assert time.time() - t0 < 10
-        time.sleep(0.02)
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
     assert client(scripted).messages.count_tokens(model=MODEL_ID, messages=USER).input_tokens > 0
 

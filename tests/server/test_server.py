@@ -294,25 +294,9 @@ def test_dropped_stream_frees_slot(live):
 
 
 def test_full_queue_answers_429(live):
-    from gemmalite.server.scheduler import Sequence
-
-    sch = live.srv.scheduler
-    sch.max_concurrency, parked = 0, []  # nothing is admitted while we fill the queue
-    try:
-        while not sch.waiting.full():
-            parked.append(Sequence([2, 3], 1, None, set(), [], sink=lambda ev: None))
-            sch.submit(parked[-1])
+    with live.full_queue():
         status, headers, body = live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2})
         assert status == 429 and headers.get("retry-after") == "1" and body["error"]["code"] == "overloaded"
-    finally:
-        for seq in parked:  # (they leave the queue unstarted)
-            seq.cancel()
-        sch.max_concurrency = 4
-        sch._wake.set()
-    t0 = time.time()
-    while sch.queue_depth:
-        assert time.time() - t0 < 10
-        time.sleep(0.02)
     assert live.raw("POST", "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 2})[0] == 200
 
 
